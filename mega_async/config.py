@@ -1,0 +1,260 @@
+"""Typed run configuration: dataclasses, YAML files plus dotted overrides, strict validation.
+
+Load order: dataclass defaults <- YAML file <- `key.sub=value` overrides. Unknown keys, wrong
+types and inconsistent values raise `ConfigError` with one line naming the key, before
+anything starts. The resolved config is written to the run directory as `config.yaml`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line that names the key."""
+
+    def __init__(self, message: str):
+        super().__init__(f"ConfigError: {message}")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "models/tiny-qwen3-moe"  # HF-format directory (config.json, tokenizer, safetensors)
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+
+
+@dataclass
+class ParallelConfig:
+    # AReaL-style allocation: inference part '+' trainer part, e.g. sglang:d4t2+megatron:d2p2t2e4
+    allocation: str = "sglang:d1+megatron:d1"
+
+
+@dataclass
+class InferenceConfig:
+    backend: str = "embedded"  # embedded (CPU server in-tree) | sglang (real servers) | simulated
+    addresses: list[str] = field(default_factory=list)  # existing servers; empty = launch them
+    num_servers: int = 1
+    request_timeout: float = 300.0  # seconds for one /generate round trip
+    api_key: Optional[str] = None
+    extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
+
+
+@dataclass
+class RolloutConfig:
+    consumer_batch_size: int = 8  # B: prompt groups per training step
+    max_concurrent_rollouts: Optional[int] = None  # episodes in flight; None = B * (eta + 1)
+    max_staleness: int = 2  # eta: max versions between a sample's head and the step training on it
+    group_size: int = 4  # samples per prompt (GRPO)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    reward_timeout: float = 15.0  # seconds; a reward slower than this rejects the sample
+    dynamic_filter: bool = True  # drop groups whose rewards are all equal (DAPO)
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | gsm8k | jsonl
+    path: Optional[str] = None  # local jsonl/parquet file or directory
+    split: str = "train"
+    max_prompt_tokens: int = 256
+
+
+@dataclass
+class AlgorithmConfig:
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None  # asymmetric clip-high (DAPO); None = eps_clip
+    dual_clip: Optional[float] = None  # c > 1 for negative advantages; None = off
+    behav_imp_weight_cap: Optional[float] = 5.0  # mask tokens whose behaviour weight exceeds it
+    prox_logp: str = "recompute"  # recompute | loglinear | linear | behavior
+    adv_norm: str = "group"  # group | drgrpo | rloo | batch | none
+    reward_scale: float = 1.0
+    reward_bias: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 10
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_decay: str = "constant"  # constant | linear | cosine
+    grad_clip: float = 1.0
+    max_tokens_per_mb: int = 4096
+    ppo_n_minibatches: int = 1
+    save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+
+
+@dataclass
+class LoggingConfig:
+    root_dir: str = "runs"  # run directory = root_dir/experiment_name/trial_name
+    tensorboard: bool = True
+    level: str = "INFO"
+
+
+@dataclass
+class RunConfig:
+    experiment_name: str = "tiny"
+    trial_name: str = "run0"
+    seed: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.root_dir) / self.experiment_name / self.trial_name
+
+    @property
+    def max_concurrent_rollouts(self) -> int:
+        r = self.rollout
+        return r.max_concurrent_rollouts or r.consumer_batch_size * (r.max_staleness + 1)
+
+
+def _one_line(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or "<root>"
+    msg = str(err).splitlines()[0].strip() if str(err) else type(err).__name__
+    if "not in" in msg and "Key" in msg:
+        msg = "unknown key (check the spelling against mega_async/config.py)"
+    return f"{key}: {msg}"
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Defaults <- YAML file <- dotted overrides; returns a validated `RunConfig`."""
+    schema = OmegaConf.structured(RunConfig)
+    layers: list[Any] = [schema]
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass an existing YAML file (see configs/)")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: invalid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections, got {type(data).__name__}")
+        layers.append(OmegaConf.create(data))
+    for ov in overrides:
+        if "=" not in ov or ov.startswith("="):
+            raise ConfigError(f"override {ov!r} is not key=value (example: rollout.max_staleness=4)")
+    if overrides:
+        try:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"override: {_one_line(e)}") from None
+    try:
+        merged = OmegaConf.merge(*layers)
+        cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        raise ConfigError(_one_line(e)) from None
+    validate(cfg)
+    return cfg
+
+
+def _choice(key: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}")
+
+
+def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks; raises ConfigError naming the first bad key."""
+    r, a, t, inf = cfg.rollout, cfg.algorithm, cfg.trainer, cfg.inference
+    _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
+    _choice("inference.backend", inf.backend, ("embedded", "sglang", "simulated"))
+    _positive("inference.num_servers", inf.num_servers)
+    _positive("inference.request_timeout", inf.request_timeout)
+    if inf.backend == "sglang" and not inf.addresses and not cfg.model.path:
+        raise ConfigError("inference.backend=sglang needs inference.addresses or model.path to launch servers")
+    _positive("rollout.consumer_batch_size", r.consumer_batch_size)
+    _positive("rollout.max_staleness", r.max_staleness, allow_zero=True)
+    if r.max_concurrent_rollouts is not None:
+        _positive("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts)
+    _positive("rollout.group_size", r.group_size)
+    _positive("rollout.max_new_tokens", r.max_new_tokens)
+    _positive("rollout.temperature", r.temperature, allow_zero=True)
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k != -1 and r.top_k < 1:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (all tokens) or >= 1")
+    _positive("rollout.reward_timeout", r.reward_timeout)
+    if r.dynamic_filter and r.group_size < 2:
+        raise ConfigError(
+            f"rollout.dynamic_filter=true needs rollout.group_size >= 2 (got {r.group_size}): "
+            "a group of one always has equal rewards; set rollout.dynamic_filter=false"
+        )
+    _choice("data.name", cfg.data.name, ("synthetic", "gsm8k", "jsonl"))
+    if cfg.data.name == "jsonl" and not cfg.data.path:
+        raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")
+    _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
+    _positive("algorithm.eps_clip", a.eps_clip)
+    if a.eps_clip_high is not None and a.eps_clip_high < a.eps_clip:
+        raise ConfigError(f"algorithm.eps_clip_high={a.eps_clip_high} must be >= algorithm.eps_clip={a.eps_clip}")
+    if a.dual_clip is not None and a.dual_clip <= 1:
+        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (or null to disable)")
+    if a.behav_imp_weight_cap is not None and a.behav_imp_weight_cap <= 1:
+        raise ConfigError(f"algorithm.behav_imp_weight_cap={a.behav_imp_weight_cap} must be > 1 (or null)")
+    _choice("algorithm.prox_logp", a.prox_logp, ("recompute", "loglinear", "linear", "behavior"))
+    _choice("algorithm.adv_norm", a.adv_norm, ("group", "drgrpo", "rloo", "batch", "none"))
+    if a.adv_norm in ("group", "drgrpo", "rloo") and r.group_size < 2:
+        raise ConfigError(f"algorithm.adv_norm={a.adv_norm} needs rollout.group_size >= 2 (got {r.group_size})")
+    _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
+    _positive("trainer.total_steps", t.total_steps)
+    _positive("trainer.lr", t.lr)
+    if t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"trainer.min_lr={t.min_lr} must be in [0, trainer.lr={t.lr}]")
+    _positive("trainer.weight_decay", t.weight_decay, allow_zero=True)
+    _positive("trainer.warmup_steps", t.warmup_steps, allow_zero=True)
+    if t.warmup_steps >= t.total_steps and t.warmup_steps > 0:
+        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be < trainer.total_steps={t.total_steps}")
+    _choice("trainer.lr_decay", t.lr_decay, ("constant", "linear", "cosine"))
+    _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("trainer.max_tokens_per_mb", t.max_tokens_per_mb)
+    _positive("trainer.ppo_n_minibatches", t.ppo_n_minibatches)
+    if t.ppo_n_minibatches > r.consumer_batch_size:
+        raise ConfigError(
+            f"trainer.ppo_n_minibatches={t.ppo_n_minibatches} exceeds rollout.consumer_batch_size="
+            f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group"
+        )
+    _positive("trainer.save_interval", t.save_interval, allow_zero=True)
+    _choice("logging.level", cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
+    for name in ("experiment_name", "trial_name"):
+        v = getattr(cfg, name)
+        if not v or "/" in v or v in (".", ".."):
+            raise ConfigError(f"{name}={v!r} must be a non-empty name without '/'")
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False)
+
+
+def save_config(cfg: RunConfig, run_dir: str | os.PathLike | None = None) -> Path:
+    """Write the resolved config to `<run_dir>/config.yaml` (atomically) and return its path."""
+    d = Path(run_dir) if run_dir is not None else cfg.run_dir
+    d.mkdir(parents=True, exist_ok=True)
+    out = d / "config.yaml"
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(to_yaml(cfg))
+    os.replace(tmp, out)
+    return out

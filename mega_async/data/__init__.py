@@ -1,0 +1,52 @@
+"""Datasets as lists of dict items: local jsonl/parquet files, GSM8K, and a synthetic token task."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+GSM8K_TEMPLATE = "Question: {question}\nAnswer step by step and finish with 'The answer is <number>'.\nAnswer:"
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a .jsonl or .parquet file (parquet needs pyarrow)."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {p} not found; set data.path to a .jsonl or .parquet file")
+    if p.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
+        return pq.read_table(p).to_pylist()
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{p}:{n}: invalid JSON ({e.msg})") from None
+    return rows
+
+
+def gsm8k_items(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
+    """GSM8K rows ({question, answer}) as items with a prompt; `path` is a file or a directory with <split>.jsonl."""
+    p = Path(path)
+    if p.is_dir():
+        p = next((p / f"{split}{ext}" for ext in (".jsonl", ".parquet") if (p / f"{split}{ext}").exists()), p / f"{split}.jsonl")
+    rows = load_rows(p)
+    for i, r in enumerate(rows):
+        if "question" not in r or "answer" not in r:
+            raise ValueError(f"{p}: row {i} lacks 'question'/'answer' (got {sorted(r)}); is this GSM8K?")
+    return [{"prompt": GSM8K_TEMPLATE.format(question=r["question"]), "answer": r["answer"]} for r in rows]
+
+
+def synthetic_items(n: int, vocab_size: int, prompt_len: int = 8, seed: int = 0) -> list[dict[str, Any]]:
+    """Random prompts; the task is to emit `target` (see reward.synthetic.target_token_reward)."""
+    rng = random.Random(seed)
+    return [
+        {"input_ids": [rng.randrange(1, vocab_size) for _ in range(prompt_len)], "target": rng.randrange(1, vocab_size)}
+        for _ in range(n)
+    ]

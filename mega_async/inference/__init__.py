@@ -1,0 +1,1 @@
+"""Inference layer: SGLang-protocol client, embedded CPU server, server launcher, simulator."""

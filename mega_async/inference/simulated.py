@@ -1,0 +1,94 @@
+"""SimulatedEngine: a latency and interruption simulator with the `agenerate` interface.
+
+No model runs: tokens and logprobs are random, but timing and the weight-update protocol are
+modelled like a real server behind the AReaL client loop (pause aborts the chunk in flight,
+partial tokens keep the version that produced them, generation resumes after continue under
+the new version). Used by the executor's stress tests and overhead benchmark, never for training.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import threading
+import time
+
+from mega_async.types import ModelRequest, ModelResponse
+
+
+class SimulatedEngine:
+    def __init__(
+        self,
+        vocab_size: int = 1000,
+        min_new_tokens: int = 1,
+        chunk_tokens: int = 8,
+        token_latency: tuple[float, float] = (0.0, 0.0),  # seconds per token, uniform in [lo, hi]
+        seed: int = 0,
+    ):
+        if min_new_tokens < 1 or chunk_tokens < 1 or token_latency[0] < 0 or token_latency[1] < token_latency[0]:
+            raise ValueError("SimulatedEngine needs min_new_tokens >= 1, chunk_tokens >= 1, 0 <= lo <= hi latency")
+        self.vocab_size = vocab_size
+        self.min_new_tokens = min_new_tokens
+        self.chunk_tokens = chunk_tokens
+        self.token_latency = token_latency
+        self.seed = seed
+        self._running = threading.Event()
+        self._running.set()
+        self._pause_epoch = 0
+        self._version = 0
+        self.interruptions = 0
+        self.in_flight = 0
+
+    # ---- weight-update protocol (called from the trainer thread) --------------------------
+    def pause_generation(self) -> None:
+        """Abort the chunks in flight; requests wait until continue_generation."""
+        self._running.clear()
+        self._pause_epoch += 1
+
+    def continue_generation(self) -> None:
+        self._running.set()
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ---- generation --------------------------------------------------------------------------
+    async def _wait_running(self) -> None:
+        while not self._running.is_set():
+            await asyncio.sleep(0.001)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        t0 = time.monotonic()
+        seed = int.from_bytes(hashlib.blake2b(f"{self.seed}:{req.rid}".encode(), digest_size=8).digest(), "little")
+        rng = random.Random(seed)
+        target = rng.randint(min(self.min_new_tokens, req.max_new_tokens), req.max_new_tokens)
+        resp = ModelResponse(input_tokens=list(req.input_ids))
+        stop = set(req.stop_token_ids)
+        lo, hi = self.token_latency
+        self.in_flight += 1
+        try:
+            while len(resp.output_tokens) < target:
+                await self._wait_running()
+                epoch, version = self._pause_epoch, self._version
+                k = min(self.chunk_tokens, target - len(resp.output_tokens))
+                await asyncio.sleep(rng.uniform(lo, hi) * k if hi > 0 else 0)
+                if epoch != self._pause_epoch:  # aborted mid-chunk: keep what was produced so far
+                    k = rng.randint(0, k)
+                    resp.num_interruptions += 1
+                    self.interruptions += 1
+                for _ in range(k):
+                    tok = rng.randrange(self.vocab_size)
+                    resp.output_tokens.append(tok)
+                    resp.output_logprobs.append(-rng.expovariate(1.0))
+                    resp.output_versions.append(version)
+                    if tok in stop and not req.ignore_eos:
+                        resp.stop_reason = "stop"
+                        return resp
+            resp.stop_reason = "length"
+            return resp
+        finally:
+            self.in_flight -= 1
+            resp.latency = time.monotonic() - t0

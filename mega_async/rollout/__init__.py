@@ -1,0 +1,1 @@
+"""Rollout layer: staleness-gated asynchronous episode execution."""

@@ -1,0 +1,263 @@
+"""WorkflowExecutor: producer/consumer over the AsyncTaskRunner, gated by the StalenessManager.
+
+submit(item) -> [pending, capped at (eta+1)*B] -> admitted when capacity > 0 (head version
+recorded) -> workflow.arun_episode -> accepted | rejected -> wait()/prepare_batch() hand out
+accepted results oldest head version first.
+
+Ordering guarantee: a batch is only handed out when no still-running episode has an older head
+version than any result in it. Together with the capacity rule this bounds staleness strictly:
+a result consumed at version s has head version >= s - eta.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
+from mega_async.rollout.staleness import StalenessManager
+from mega_async.rollout.workflow import RolloutWorkflow
+
+logger = logging.getLogger("mega_async.rollout.executor")
+
+AcceptFn = Callable[[dict], bool]
+
+
+class ExecutorQueueFull(RuntimeError):
+    """More items submitted than the pending-input cap (eta+1)*B allows."""
+
+
+class WorkflowExecutor:
+    def __init__(
+        self,
+        engine: Any,
+        workflow: RolloutWorkflow | None = None,
+        *,
+        consumer_batch_size: int,
+        max_staleness: int,
+        max_concurrent_rollouts: int | None = None,
+        should_accept: AcceptFn | None = None,
+        poll_interval: float = 0.05,
+    ):
+        self.engine = engine
+        self.workflow = workflow
+        self.should_accept = should_accept
+        self.consumer_batch_size = consumer_batch_size
+        self.max_staleness = max_staleness
+        self.staleness = StalenessManager(
+            max_concurrent_rollouts or consumer_batch_size * (max_staleness + 1), consumer_batch_size, max_staleness
+        )
+        self.max_pending = (max_staleness + 1) * consumer_batch_size
+        self._poll = poll_interval
+        self._runner = AsyncTaskRunner(admit=self.staleness.try_submit, name="rollout")
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._running_heads: dict[int, int] = {}  # task id -> head version, for admitted episodes
+        self._done: list[tuple[int, int, dict]] = []  # heap of (head version, task id, result)
+        self._counts = {"accepted": 0, "rejected": 0, "failed": 0, "filtered": 0, "consumed": 0}
+        self._data_iters: dict[int, tuple[Any, Iterator]] = {}
+
+    @classmethod
+    def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
+                    should_accept: AcceptFn | None = None) -> "WorkflowExecutor":
+        return cls(
+            engine,
+            workflow,
+            consumer_batch_size=rollout_cfg.consumer_batch_size,
+            max_staleness=rollout_cfg.max_staleness,
+            max_concurrent_rollouts=rollout_cfg.max_concurrent_rollouts,
+            should_accept=should_accept,
+        )
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def start(self) -> "WorkflowExecutor":
+        self._runner.start()
+        return self
+
+    def stop(self) -> None:
+        self._runner.stop()
+
+    def __enter__(self) -> "WorkflowExecutor":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- producer --------------------------------------------------------------------------
+    def submit(self, data: Any, workflow: RolloutWorkflow | None = None) -> int:
+        """Queue one item (one prompt group) for an episode; returns its task id."""
+        wf = workflow or self.workflow
+        if wf is None:
+            raise ValueError("no workflow: pass one to submit() or to WorkflowExecutor(...)")
+        pending = self.staleness.stats["enqueued"]
+        if pending >= self.max_pending:
+            raise ExecutorQueueFull(
+                f"{pending} items already wait for admission (cap (max_staleness+1)*B = {self.max_pending}); "
+                "consume results with wait()/prepare_batch() before submitting more"
+            )
+        tid = next(self._ids)
+        self.staleness.on_enqueued()
+
+        async def episode(head_version: int) -> Any:
+            with self._cond:
+                self._running_heads[tid] = head_version
+            return await wf.arun_episode(self.engine, data)
+
+        def on_done(task_id: int, result: Any, exc: Optional[BaseException]) -> None:
+            self._on_done(task_id, data, result, exc)
+
+        try:
+            self._runner.submit(tid, episode, on_done)
+        except RunnerError:
+            self.staleness.on_submitted()
+            self.staleness.on_rejected()
+            raise
+        return tid
+
+    def _on_done(self, tid: int, data: Any, result: Any, exc: Optional[BaseException]) -> None:
+        with self._cond:
+            head = self._running_heads.pop(tid)
+            verdict = "accepted"
+            if exc is not None:
+                verdict = "failed"
+                logger.warning("episode %d rejected: %s: %s (item: %.200r)", tid, type(exc).__name__, exc, data)
+            elif result is None:
+                verdict = "rejected"
+            elif self.should_accept is not None:
+                try:
+                    if not self.should_accept(result):
+                        verdict = "filtered"
+                except Exception as e:  # noqa: BLE001 - a broken filter rejects the sample, loudly
+                    verdict = "failed"
+                    logger.warning("should_accept raised %r on episode %d (item: %.200r)", e, tid, data)
+            self._counts[verdict] += 1
+            if verdict == "accepted":
+                self.staleness.on_accepted()
+                heapq.heappush(self._done, (head, tid, result))
+            else:
+                self.staleness.on_rejected()
+            self._cond.notify_all()
+
+    # ---- consumer --------------------------------------------------------------------------
+    def _ready(self, count: int) -> bool:
+        """`count` results can go out: none of them is newer than a still-running episode."""
+        if len(self._done) < count:
+            return False
+        oldest_running = min(self._running_heads.values(), default=None)
+        if oldest_running is None:
+            return True
+        return heapq.nsmallest(count, self._done)[-1][0] <= oldest_running
+
+    def _take(self, count: int) -> list[dict]:
+        out = [heapq.heappop(self._done)[2] for _ in range(count)]
+        self._counts["consumed"] += count
+        return out
+
+    def _check_alive(self) -> None:
+        self._runner.check()
+
+    def wait(self, count: int, timeout: float | None = None) -> list[dict]:
+        """Block until `count` accepted results are ready; return them oldest head version first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._check_alive()
+                if self._ready(count):
+                    return self._take(count)
+                self._raise_if_stuck(count)
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"wait({count}) timed out after {timeout}s with {len(self._done)} results ready "
+                        f"and {len(self._running_heads)} running"
+                    )
+                self._cond.wait(self._poll if remaining is None else min(self._poll, remaining))
+
+    def _raise_if_stuck(self, count: int) -> None:
+        """Nothing running and nothing can start: waiting would hang forever, so say why instead."""
+        if self._running_heads or len(self._done) >= count or self._runner.num_running:
+            return
+        if self._runner.paused:
+            raise RuntimeError(
+                f"executor is paused with {len(self._done)} of {count} results ready and nothing running; "
+                "call resume() before waiting"
+            )
+        st = self.staleness.stats
+        if st["enqueued"] and st["capacity"] <= 0 and st["running"] == 0:
+            raise RuntimeError(
+                f"staleness budget exhausted at version {st['version']} ({st['accepted']} accepted, "
+                f"max_staleness={self.max_staleness}): call set_version() after each training step"
+            )
+
+    def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None) -> list[dict]:
+        """Keep up to (eta+1)*B items submitted ahead and return B accepted groups, oldest first.
+
+        A re-iterable dataloader is restarted when exhausted (a new epoch); a one-shot iterator that
+        runs dry with too few results raises instead of hanging.
+        """
+        B = self.consumer_batch_size
+        while True:
+            exhausted = self._refill(dataloader, workflow)
+            with self._cond:
+                self._check_alive()
+                if self._ready(B):
+                    return self._take(B)
+                idle = not self._running_heads and self.staleness.stats["running"] == 0
+                if exhausted and idle and self._runner.num_pending == 0:
+                    raise RuntimeError(
+                        f"dataloader exhausted: {len(self._done)} accepted results, a batch needs {B}"
+                    )
+                self._raise_if_stuck(B)
+                self._cond.wait(self._poll)
+
+    def _refill(self, dataloader: Iterable, workflow: RolloutWorkflow | None) -> bool:
+        """Submit items until the pending cap is reached; True when a one-shot iterator ran dry."""
+        key = id(dataloader)
+        if key not in self._data_iters or self._data_iters[key][0] is not dataloader:
+            self._data_iters[key] = (dataloader, iter(dataloader))
+        while self.staleness.stats["enqueued"] < self.max_pending:
+            it = self._data_iters[key][1]
+            try:
+                item = next(it)
+            except StopIteration:
+                if iter(dataloader) is dataloader:  # one-shot iterator: no new epoch possible
+                    return True
+                self._data_iters[key] = (dataloader, iter(dataloader))
+                try:
+                    item = next(self._data_iters[key][1])
+                except StopIteration:
+                    return True  # empty dataloader
+            self.submit(item, workflow)
+        return False
+
+    # ---- control ---------------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop starting new episodes (running ones continue); call before a weight update."""
+        self._runner.pause()
+
+    def resume(self) -> None:
+        self._runner.resume()
+
+    def set_version(self, v: int) -> None:
+        self.staleness.set_version(v)
+        self._runner.wake()
+
+    def on_version_recovered(self, v: int) -> None:
+        self.staleness.on_version_recovered(v)
+        self._runner.wake()
+
+    @property
+    def version(self) -> int:
+        return self.staleness.version
+
+    @property
+    def paused(self) -> bool:
+        return self._runner.paused
+
+    @property
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {**self.staleness.stats, **self._counts, "ready": len(self._done)}

@@ -1,0 +1,38 @@
+"""mega_async: asynchronous RL post-training of Mixture-of-Experts LLMs (Megatron-Core + SGLang)."""
+from setuptools import find_packages, setup
+
+CORE = [
+    # torch is pinned only on the CPU path (requirements-cpu.txt); GPU users bring their CUDA build.
+    "torch>=2.13",
+    "megatron-core==0.16.1",
+    "mbridge==0.15.1",
+    "transformers>=5.0",
+    "safetensors>=0.6",
+    "omegaconf>=2.3",
+    "pyyaml>=6.0",
+    "aiohttp>=3.9",
+    "math-verify>=0.8",
+    "tensorboard>=2.16",
+    "rich>=13.0",
+    "tqdm>=4.66",
+    "matplotlib>=3.8",
+    "nvidia-ml-py>=12.0",
+    "numpy>=1.26",
+]
+
+setup(
+    name="mega_async",
+    version="0.1.0",
+    description="Asynchronous RL post-training of large MoE language models with Megatron-Core and SGLang",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["mega_async", "mega_async.*"]),
+    install_requires=CORE,
+    extras_require={
+        # GPU-only packages: imported lazily, never needed on the CPU path.
+        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang", "sglang-router"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100"],
+    },
+    entry_points={"console_scripts": ["mega-async=mega_async.cli:main"]},
+)

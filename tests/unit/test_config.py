@@ -1,0 +1,93 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mega_async.cli import main
+from mega_async.config import ConfigError, RunConfig, load_config, save_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_and_overrides():
+    cfg = load_config(None, ["rollout.max_staleness=4", "trainer.lr=3e-6", "inference.addresses=[a:1,b:2]"])
+    assert isinstance(cfg, RunConfig)
+    assert cfg.rollout.max_staleness == 4 and cfg.trainer.lr == 3e-6
+    assert cfg.inference.addresses == ["a:1", "b:2"]
+    assert cfg.max_concurrent_rollouts == cfg.rollout.consumer_batch_size * 5
+
+
+def test_yaml_then_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("rollout:\n  max_staleness: 3\n  group_size: 8\n")
+    cfg = load_config(p, ["rollout.group_size=2"])
+    assert (cfg.rollout.max_staleness, cfg.rollout.group_size) == (3, 2)
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["rollout.max_stalenes=1"], "rollout.max_stalenes: unknown key"),
+        (["nope.x=1"], "nope: unknown key"),
+        (["rollout.max_staleness=abc"], "rollout.max_staleness: Value 'abc'"),
+        (["rollout.dynamic_filter=maybe"], "rollout.dynamic_filter"),
+        (["rollout.top_p=1.5"], "rollout.top_p=1.5 must be in (0, 1]"),
+        (["rollout.max_staleness=-1"], "rollout.max_staleness=-1 must be >= 0"),
+        (["rollout.group_size=1"], "rollout.dynamic_filter=true needs rollout.group_size >= 2"),
+        (["algorithm.eps_clip_high=0.1"], "algorithm.eps_clip_high=0.1 must be >= algorithm.eps_clip=0.2"),
+        (["inference.backend=vllm"], "inference.backend='vllm' is not one of"),
+        (["trainer.ppo_n_minibatches=99"], "trainer.ppo_n_minibatches=99 exceeds rollout.consumer_batch_size"),
+        (["trainer.warmup_steps=10"], "trainer.warmup_steps=10 must be < trainer.total_steps=10"),
+        (["data.name=jsonl"], "data.name=jsonl needs data.path"),
+        (["rollout.max_staleness"], "is not key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, overrides)
+    msg = str(ei.value)
+    assert needle in msg and "\n" not in msg and msg.startswith("ConfigError: ")
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout: [unclosed\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(bad)
+    bad.write_text("rollout:\n  group_size: many\n")
+    with pytest.raises(ConfigError, match="rollout.group_size"):
+        load_config(bad)
+
+
+def test_save_resolved_config(tmp_path):
+    cfg = load_config(None, ["rollout.max_staleness=5"])
+    out = save_config(cfg, tmp_path / "run")
+    saved = yaml.safe_load(out.read_text())
+    assert saved["rollout"]["max_staleness"] == 5
+    assert load_config(out) == cfg  # the written file loads back to the same config
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config(path)
+
+
+def test_cli_rejects_bad_config_before_anything_starts(tmp_path, capsys):
+    rc = main(["rollout", "-c", str(ROOT / "configs" / "rollout_demo.yaml"), "rollout.top_k=0",
+               f"logging.root_dir={tmp_path}"])
+    assert rc == 2
+    assert "rollout.top_k=0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # nothing was written or started
+
+
+def test_cli_rollout_demo_runs(tmp_path, capsys):
+    rc = main(["rollout", "-c", str(ROOT / "configs" / "rollout_demo.yaml"), "trainer.total_steps=3",
+               f"logging.root_dir={tmp_path}"])
+    assert rc == 0
+    run_dir = tmp_path / "rollout_demo" / "run0"
+    assert (run_dir / "config.yaml").exists()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert "max head staleness" in capsys.readouterr().out

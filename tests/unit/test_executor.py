@@ -1,0 +1,168 @@
+import asyncio
+import logging
+import threading
+import time
+
+import pytest
+
+from mega_async.inference.simulated import SimulatedEngine
+from mega_async.rollout.executor import ExecutorQueueFull, WorkflowExecutor
+from mega_async.rollout.filters import DynamicFilter
+from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
+from mega_async.rollout.workflow import RolloutWorkflow
+
+
+class EchoWorkflow(RolloutWorkflow):
+    """Returns the item; sleeps `delay` (item-specific) first; raises or rejects on request."""
+
+    def __init__(self):
+        self.started = 0
+        self.lock = threading.Lock()
+
+    async def arun_episode(self, engine, data):
+        with self.lock:
+            self.started += 1
+        await asyncio.sleep(data.get("delay", 0.0))
+        if data.get("raise"):
+            raise ValueError(f"boom {data['id']}")
+        if data.get("reject"):
+            return None
+        return {"id": data["id"], "rewards": data.get("rewards", [0.0, 1.0])}
+
+
+def make(B=2, eta=1, **kw):
+    return WorkflowExecutor(SimulatedEngine(), EchoWorkflow(), consumer_batch_size=B, max_staleness=eta, **kw)
+
+
+def test_wait_returns_results_and_counts():
+    with make(B=2, eta=1) as ex:
+        for i in range(4):
+            ex.submit({"id": i})
+        out = ex.wait(4, timeout=5)
+        assert sorted(r["id"] for r in out) == [0, 1, 2, 3]
+        assert ex.stats["accepted"] == 4 and ex.stats["consumed"] == 4
+
+
+def test_episode_exception_is_rejection_and_logged(caplog):
+    caplog.set_level(logging.WARNING, logger="mega_async.rollout.executor")
+    with make(B=1, eta=3) as ex:
+        ex.submit({"id": 7, "raise": True})
+        ex.submit({"id": 8, "reject": True})
+        ex.submit({"id": 9})
+        assert [r["id"] for r in ex.wait(1, timeout=5)] == [9]
+        deadline = time.time() + 5
+        while ex.stats["failed"] + ex.stats["rejected"] < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        s = ex.stats
+        assert (s["failed"], s["rejected"], s["running"]) == (1, 1, 0)
+    assert any("boom 7" in r.message and "'id': 7" in r.message for r in caplog.records)
+
+
+def test_internal_error_raised_in_caller():
+    ex = make(B=1, eta=0).start()
+    try:
+        def broken(*a):
+            raise KeyError("bookkeeping bug")
+
+        ex._on_done = broken  # an error in the executor's own machinery, not in an episode
+        ex.submit({"id": 0})
+        with pytest.raises(RunnerError, match="bookkeeping bug"):
+            ex.wait(1, timeout=5)
+        with pytest.raises(RunnerError):
+            ex.submit({"id": 1})
+    finally:
+        ex.stop()
+
+
+def test_pending_cap_and_queue_full():
+    with make(B=2, eta=1) as ex:
+        ex.pause()  # nothing admitted: everything stays pending
+        for i in range(4):  # (eta + 1) * B = 4
+            ex.submit({"id": i})
+        with pytest.raises(ExecutorQueueFull, match=r"\(max_staleness\+1\)\*B = 4"):
+            ex.submit({"id": 4})
+        with pytest.raises(RuntimeError, match="call resume"):
+            ex.wait(1, timeout=1)
+        ex.resume()
+        assert len(ex.wait(4, timeout=5)) == 4
+
+
+def test_pause_stops_new_episodes_running_continue():
+    wf = EchoWorkflow()
+    with WorkflowExecutor(SimulatedEngine(), wf, consumer_batch_size=2, max_staleness=1) as ex:
+        ex.submit({"id": 0, "delay": 0.3})
+        time.sleep(0.1)
+        ex.pause()
+        ex.submit({"id": 1})
+        time.sleep(0.4)
+        assert wf.started == 1  # the new one did not start
+        assert ex.stats["accepted"] == 1  # the running one finished while paused
+        ex.resume()
+        assert sorted(r["id"] for r in ex.wait(2, timeout=5)) == [0, 1]
+
+
+def test_oldest_head_first_waits_for_running_older():
+    with make(B=1, eta=2) as ex:
+        ex.submit({"id": "slow", "delay": 0.4})
+        time.sleep(0.05)
+        ex.set_version(1)
+        ex.submit({"id": "fast"})
+        time.sleep(0.1)
+        assert ex.stats["ready"] == 1  # fast is done, but slow (older head) is still running
+        assert [r["id"] for r in ex.wait(1, timeout=5)] == ["slow"]
+        assert [r["id"] for r in ex.wait(1, timeout=5)] == ["fast"]
+
+
+def test_prepare_batch_epochs_and_exhaustion():
+    data = [{"id": i} for i in range(3)]
+    with make(B=2, eta=0) as ex:
+        got = []
+        for step in range(3):
+            got += [r["id"] for r in ex.prepare_batch(data)]
+            ex.set_version(step + 1)
+        assert len(got) == 6 and set(got) == {0, 1, 2}  # a list is re-iterated (epochs)
+    with make(B=2, eta=0) as ex:
+        one_shot = iter([{"id": 0}, {"id": 1}, {"id": 2}])
+        assert len(ex.prepare_batch(one_shot)) == 2
+        with pytest.raises(RuntimeError, match="call set_version"):
+            ex.prepare_batch(one_shot)  # eta=0 and no version bump: would hang, raises instead
+        ex.set_version(1)
+        with pytest.raises(RuntimeError, match="dataloader exhausted"):
+            ex.prepare_batch(one_shot)
+
+
+def test_dynamic_filter_counts():
+    flt = DynamicFilter()
+    with make(B=2, eta=1, should_accept=flt) as ex:
+        items = [{"id": i, "rewards": [1.0, 1.0] if i % 2 else [0.0, 1.0]} for i in range(8)]
+        out = ex.prepare_batch(items)
+        assert all(r["id"] % 2 == 0 for r in out)
+        assert flt.dropped >= 1 and ex.stats["filtered"] == flt.dropped
+        assert flt.stats["drop_rate"] > 0
+
+
+def test_runner_pause_blocks_admission():
+    started = []
+    r = AsyncTaskRunner()
+    r.start()
+    try:
+        async def task(_):
+            started.append(1)
+
+        r.pause()
+        r.submit(0, task, lambda *a: None)
+        time.sleep(0.1)
+        assert started == [] and r.num_pending == 1
+        r.resume()
+        time.sleep(0.1)
+        assert started == [1] and r.num_pending == 0
+    finally:
+        r.stop()
+
+
+def test_submit_needs_workflow_and_started_runner():
+    ex = WorkflowExecutor(SimulatedEngine(), None, consumer_batch_size=1, max_staleness=0)
+    with pytest.raises(ValueError, match="no workflow"):
+        ex.submit({"id": 0})
+    with pytest.raises(RunnerError, match="start"):
+        ex.submit({"id": 0}, EchoWorkflow())
