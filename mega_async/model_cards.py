@@ -1,0 +1,58 @@
+"""Model cards under models/: HF configs + tokenizers; random-init weights made locally, never downloaded."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("mega_async.model_cards")
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_MOE = REPO_ROOT / "models" / "tiny-qwen3-moe"
+TINY_DENSE = REPO_ROOT / "models" / "tiny-qwen3"
+
+
+def has_weights(model_dir: str | os.PathLike) -> bool:
+    d = Path(model_dir)
+    return (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists()
+
+
+def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, seed: int = 0,
+                        force: bool = False) -> Path:
+    """Write deterministic random-init safetensors for the config in `model_dir` (to `out_dir` or in place).
+
+    Same seed, same torch version -> the same bytes. Existing weights are kept unless `force`.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src = Path(model_dir)
+    dst = Path(out_dir) if out_dir is not None else src
+    if has_weights(dst) and not force:
+        return dst
+    if not (src / "config.json").exists():
+        raise FileNotFoundError(f"{src}/config.json not found: a model card directory needs an HF config")
+    cfg = AutoConfig.from_pretrained(src)
+    gen = torch.random.fork_rng()
+    with gen:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    dst.mkdir(parents=True, exist_ok=True)
+    tmp = dst / ".model.safetensors.tmp"
+    model.save_pretrained(str(dst / ".tmp_save"))
+    os.replace(dst / ".tmp_save" / "model.safetensors", tmp)
+    for f in (dst / ".tmp_save").iterdir():
+        f.unlink()
+    (dst / ".tmp_save").rmdir()
+    os.replace(tmp, dst / "model.safetensors")
+    if dst != src:
+        import shutil
+
+        for f in src.iterdir():
+            if f.is_file() and f.name != "model.safetensors" and not (dst / f.name).exists():
+                shutil.copy2(f, dst / f.name)
+        AutoTokenizer.from_pretrained(src)  # fail early when the card's tokenizer is broken
+    logger.info("wrote random-init weights (seed %d, %d params) to %s", seed,
+                sum(p.numel() for p in model.parameters()), dst)
+    return dst
