@@ -1,0 +1,325 @@
+"""SGLangClient: the rollout layer's view of one or more SGLang-protocol servers (real or embedded).
+
+agenerate: send /generate -> append tokens, logprobs, versions -> on abort with budget left,
+wait while paused, resubmit prompt + tokens so far (AReaL's interruption loop).
+Servers are picked by fewest in-flight requests, sticky per request id; connection errors and
+5xx are retried with backoff, a dead server is marked unhealthy, its requests rerouted, and it
+is re-admitted once /health answers again.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import aiohttp
+
+from mega_async.types import ModelRequest, ModelResponse
+
+logger = logging.getLogger("mega_async.inference.client")
+
+
+class NoHealthyServerError(RuntimeError):
+    pass
+
+
+class ServerError(RuntimeError):
+    """A server answered a control call with an error."""
+
+
+@dataclass
+class _Server:
+    address: str
+    healthy: bool = True
+    in_flight: int = 0
+    last_probe: float = 0.0
+    failures: int = field(default=0)
+
+
+class SGLangClient:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        api_key: Optional[str] = None,
+        request_timeout: float = 300.0,
+        max_retries: int = 3,
+        retry_backoff: float = 0.2,
+        health_check_interval: float = 1.0,
+        unhealthy_timeout: float = 30.0,
+        max_resubmits: int = 1000,
+    ):
+        if not addresses:
+            raise ValueError("SGLangClient needs at least one server address (host:port)")
+        self.servers = [_Server(self._norm(a)) for a in addresses]
+        self.api_key = api_key
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.retry_backoff = retry_backoff
+        self.health_check_interval = health_check_interval
+        self.unhealthy_timeout = unhealthy_timeout
+        self.max_resubmits = max_resubmits
+        self.version = 0
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._sticky: dict[str, _Server] = {}
+        self._sessions: dict[int, aiohttp.ClientSession] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _norm(a: str) -> str:
+        return a.rstrip("/") if a.startswith("http") else f"http://{a.rstrip('/')}"
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    # ---- HTTP plumbing ---------------------------------------------------------------------
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _session(self) -> aiohttp.ClientSession:
+        """One session per event loop (the rollout thread and the trainer thread each have one)."""
+        loop = asyncio.get_running_loop()
+        key = id(loop)
+        s = self._sessions.get(key)
+        if s is None or s.closed:
+            s = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout),
+                                      connector=aiohttp.TCPConnector(limit=0))
+            self._sessions[key] = s
+        return s
+
+    async def aclose(self) -> None:
+        s = self._sessions.pop(id(asyncio.get_running_loop()), None)
+        if s is not None:
+            await s.close()
+
+    async def _request(self, method: str, server: _Server, path: str, body: Any = None,
+                       timeout: Optional[float] = None) -> tuple[int, Any]:
+        kw: dict[str, Any] = {"headers": self._headers()}
+        if body is not None:
+            kw["json"] = body
+        if timeout is not None:
+            kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
+        async with self._session().request(method, server.address + path, **kw) as r:
+            if r.content_type == "application/json":
+                return r.status, await r.json()
+            return r.status, await r.text()
+
+    # ---- server choice and health ----------------------------------------------------------
+    async def _probe(self, s: _Server) -> bool:
+        s.last_probe = time.monotonic()
+        try:
+            status, _ = await self._request("GET", s, "/health", timeout=2.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+        if status == 200 and not s.healthy:
+            logger.info("server %s is healthy again; re-admitted", s.address)
+            s.healthy, s.failures = True, 0
+        return status == 200
+
+    def _mark_unhealthy(self, s: _Server, why: str) -> None:
+        if s.healthy:
+            logger.warning("server %s marked unhealthy: %s", s.address, why)
+        s.healthy = False
+        s.last_probe = time.monotonic()
+
+    async def _choose(self, rid: Optional[str]) -> _Server:
+        deadline = time.monotonic() + self.unhealthy_timeout
+        while True:
+            now = time.monotonic()
+            stale = [s for s in self.servers if not s.healthy and now - s.last_probe >= self.health_check_interval]
+            if stale:
+                await asyncio.gather(*(self._probe(s) for s in stale))
+            healthy = [s for s in self.servers if s.healthy]
+            if healthy:
+                s = self._sticky.get(rid) if rid else None
+                if s is None or not s.healthy:
+                    s = min(healthy, key=lambda x: x.in_flight)
+                    if rid:
+                        self._sticky[rid] = s
+                return s
+            if time.monotonic() >= deadline:
+                raise NoHealthyServerError(
+                    f"no healthy inference server among {self.addresses} for {self.unhealthy_timeout:.0f}s; "
+                    "check that the servers are running (see their logs)"
+                )
+            await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
+
+    async def _generate_once(self, rid: str, payload: dict) -> dict:
+        """POST /generate with retries; reroutes to another server when one dies."""
+        attempt = 0
+        while True:
+            s = await self._choose(rid)
+            s.in_flight += 1
+            try:
+                status, body = await self._request("POST", s, "/generate", payload)
+            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+                self._mark_unhealthy(s, f"{type(e).__name__}: {e}")
+                self._sticky.pop(rid, None)
+                attempt += 1
+                await asyncio.sleep(self.retry_backoff * min(attempt, 10))
+                continue
+            finally:
+                s.in_flight -= 1
+            if status >= 500:
+                s.failures += 1
+                if s.failures > self.max_retries:
+                    self._mark_unhealthy(s, f"HTTP {status}")
+                    self._sticky.pop(rid, None)
+                await asyncio.sleep(self.retry_backoff * 2 ** min(s.failures, 6))
+                continue
+            if status != 200:
+                msg = body.get("message") or body.get("error") if isinstance(body, dict) else body
+                raise ServerError(f"{s.address}/generate answered {status}: {msg}")
+            s.failures = 0
+            return body
+
+    # ---- generation ------------------------------------------------------------------------
+    async def _wait_unpaused(self) -> None:
+        while not self._unpaused.is_set():
+            await asyncio.sleep(0.01)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        t0 = time.monotonic()
+        resp = ModelResponse(input_tokens=list(req.input_ids))
+        rounds = 0
+        try:
+            while len(resp.output_tokens) < req.max_new_tokens:
+                await self._wait_unpaused()
+                payload = {
+                    "input_ids": list(req.input_ids) + resp.output_tokens,
+                    "sampling_params": {
+                        "max_new_tokens": req.max_new_tokens - len(resp.output_tokens),
+                        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                        "stop_token_ids": list(req.stop_token_ids), "ignore_eos": req.ignore_eos,
+                        "skip_special_tokens": False,
+                    },
+                    "return_logprob": True,
+                    "rid": f"{req.rid}-{rounds}",
+                }
+                out = await self._generate_once(req.rid, payload)
+                meta = out["meta_info"]
+                version = self._parse_version(meta.get("weight_version"))
+                lps = meta.get("output_token_logprobs") or []
+                toks = list(out.get("output_ids") or [])
+                if len(lps) != len(toks):
+                    raise ServerError(f"{len(toks)} output tokens but {len(lps)} logprobs in the response")
+                resp.output_tokens += toks
+                resp.output_logprobs += [float("-inf") if x[0] is None else float(x[0]) for x in lps]
+                resp.output_versions += [version] * len(toks)
+                fr = meta.get("finish_reason") or {}
+                kind = fr.get("type") if isinstance(fr, dict) else str(fr)
+                if kind in ("stop", "length"):
+                    resp.stop_reason = kind
+                    break
+                if kind != "abort":
+                    raise ServerError(f"unexpected finish_reason {fr!r}")
+                rounds += 1
+                resp.num_interruptions += 1
+                if rounds > self.max_resubmits:
+                    raise ServerError(f"request {req.rid} aborted {rounds} times: {fr.get('message')}")
+            else:
+                resp.stop_reason = "length"
+        finally:
+            self._sticky.pop(req.rid, None)
+        resp.latency = time.monotonic() - t0
+        return resp
+
+    def _parse_version(self, v: Any) -> int:
+        try:
+            return int(v)
+        except (TypeError, ValueError):
+            return self.version
+
+    # ---- client-side pause and version -----------------------------------------------------
+    def pause(self) -> None:
+        """Interrupted requests wait here before resubmitting (until resume)."""
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    def set_version(self, v: int) -> None:
+        self.version = v
+
+    # ---- control, to all servers concurrently -----------------------------------------------
+    async def _post_all(self, path: str, body: dict, *, check: bool = True, only_healthy: bool = False,
+                        bodies: Optional[list[dict]] = None) -> list[Any]:
+        targets = [s for s in self.servers if s.healthy or not only_healthy]
+
+        async def one(i: int, s: _Server) -> Any:
+            try:
+                status, out = await self._request("POST", s, path, bodies[i] if bodies else body)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
+                if check:
+                    raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+                return None
+            ok = status == 200 and not (isinstance(out, dict) and out.get("success") is False)
+            if not ok and check:
+                msg = out.get("message") if isinstance(out, dict) else out
+                raise ServerError(f"{s.address}{path} answered {status}: {msg}")
+            return out
+
+        return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(targets))))
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        await self._post_all("/pause_generation", {"mode": mode}, only_healthy=True)
+
+    async def continue_generation(self) -> None:
+        """Never raises for a dead server: the others must not be left paused."""
+        await self._post_all("/continue_generation", {}, check=False)
+
+    async def update_weights_from_disk(self, path: str, version: int | str) -> None:
+        await self._post_all("/update_weights_from_disk",
+                             {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
+                                        backend: str = "gloo", gpus_per_server: int = 1) -> int:
+        """Every server joins rank_offset = 1 + GPUs before it; returns world size (trainer is rank 0)."""
+        world = 1 + gpus_per_server * len(self.servers)
+        bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": 1 + i * gpus_per_server,
+                   "world_size": world, "group_name": group_name, "backend": backend} for i in range(len(self.servers))]
+        await self._post_all("/init_weights_update_group", {}, bodies=bodies)
+        return world
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, version: int | str | None = None) -> None:
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": True}
+        if version is not None:
+            body["weight_version"] = str(version)
+        await self._post_all("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False)
+
+    async def model_info(self) -> list[dict]:
+        async def one(s: _Server) -> dict:
+            status, out = await self._request("GET", s, "/model_info")
+            if status != 200:
+                raise ServerError(f"{s.address}/model_info answered {status}")
+            return out
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def update_weights(self, load: Any, version: int) -> None:
+        """The weight step: client pause -> /pause_generation -> load() -> version -> continue -> resume.
+
+        `load` is an async callable that pushes the weights. Generation is continued and the
+        client resumed whatever happens, so no server is left paused.
+        """
+        self.pause()
+        try:
+            await self.pause_generation()
+            try:
+                await load()
+                self.set_version(version)
+            finally:
+                await self.continue_generation()
+        finally:
+            self.resume()

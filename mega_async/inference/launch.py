@@ -1,0 +1,180 @@
+"""Start N inference servers (embedded or real SGLang) on free ports, wait for /health, stop them all.
+
+Servers run in their own process groups and die with the launcher (PDEATHSIG on Linux, atexit,
+and `stop()` in every failure path), so no orphan process survives a crash of the driver.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+logger = logging.getLogger("mega_async.inference.launch")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+@dataclass
+class ServerSpec:
+    backend: str  # embedded | sglang
+    model_path: str
+    num_servers: int = 1
+    host: str = "127.0.0.1"
+    weights_root: Optional[str] = None
+    api_key: Optional[str] = None
+    tp_size: int = 1
+    ep_size: int = 1
+    dp_size: int = 1
+    enable_dp_attention: bool = False
+    moe_a2a_backend: Optional[str] = None
+    dtype: Optional[str] = None
+    seed: int = 0
+    extra_args: Sequence[str] = field(default_factory=list)
+
+
+def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
+    """The command line for server `index` (the sglang form follows docs/sglang-protocol.md)."""
+    if spec.backend == "embedded":
+        cmd = [sys.executable, "-m", "mega_async.inference.server", "--model", spec.model_path, "--host", spec.host,
+               "--port", str(port), "--random-seed", str(spec.seed + index)]
+        if spec.weights_root:
+            cmd += ["--weights-root", spec.weights_root]
+        if spec.dtype:
+            cmd += ["--dtype", spec.dtype]
+    elif spec.backend == "sglang":
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
+               "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
+               "--skip-server-warmup", "--disable-radix-cache"]
+        if spec.ep_size > 1:
+            cmd += ["--ep-size", str(spec.ep_size)]
+        if spec.dp_size > 1:
+            cmd += ["--dp-size", str(spec.dp_size)]
+        if spec.enable_dp_attention:
+            cmd += ["--enable-dp-attention"]
+        if spec.moe_a2a_backend:
+            cmd += ["--moe-a2a-backend", spec.moe_a2a_backend]
+        if spec.dtype:
+            cmd += ["--dtype", spec.dtype]
+    else:
+        raise ValueError(f"backend {spec.backend!r}: use embedded or sglang")
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    return cmd + list(spec.extra_args)
+
+
+class ServerLauncher:
+    def __init__(self, spec: ServerSpec, log_dir: Optional[str] = None, startup_timeout: float = 300.0):
+        if spec.num_servers < 1:
+            raise ValueError(f"num_servers={spec.num_servers} must be >= 1")
+        if not (Path(spec.model_path) / "config.json").exists() and spec.backend == "embedded":
+            raise FileNotFoundError(f"model {spec.model_path} has no config.json; pass an HF-format model directory")
+        self.spec = spec
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="mega_async_servers_"))
+        self.startup_timeout = startup_timeout
+        self.procs: list[subprocess.Popen] = []
+        self.addresses: list[str] = []
+        self._logs: list[Path] = []
+
+    def start(self) -> list[str]:
+        """Start all servers and wait until each answers /health; on any failure stop them all."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            for i in range(self.spec.num_servers):
+                port = free_port(self.spec.host)
+                log = self.log_dir / f"server{i}.log"
+                cmd = server_command(self.spec, port, i)
+                logger.info("starting server %d: %s", i, " ".join(cmd))
+                with log.open("wb") as f:
+                    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_die_with_parent)
+                self.procs.append(p)
+                self._logs.append(log)
+                self.addresses.append(f"{self.spec.host}:{port}")
+            for i in range(len(self.procs)):
+                self._wait_healthy(i)
+        except BaseException:
+            self.stop()
+            raise
+        return list(self.addresses)
+
+    def _wait_healthy(self, i: int) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        url = f"http://{self.addresses[i]}/health"
+        while time.monotonic() < deadline:
+            rc = self.procs[i].poll()
+            if rc is not None:
+                raise RuntimeError(f"server {i} exited with code {rc} before becoming healthy; "
+                                   f"last log lines ({self._logs[i]}):\n{self.log_tail(i)}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server {i} not healthy after {self.startup_timeout:.0f}s; log: {self._logs[i]}\n{self.log_tail(i)}")
+
+    def log_tail(self, i: int, n: int = 20) -> str:
+        try:
+            return "\n".join(self._logs[i].read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self, i: int) -> None:
+        """Kill one server at once (failure injection in tests)."""
+        p = self.procs[i]
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+    def stop(self, grace: float = 10.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + grace
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> "ServerLauncher":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
