@@ -66,8 +66,6 @@ class SGLangClient:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._sticky: dict[str, _Server] = {}
-        self._sessions: dict[int, aiohttp.ClientSession] = {}
-        self._lock = threading.Lock()
 
     @staticmethod
     def _norm(a: str) -> str:
@@ -81,33 +79,22 @@ class SGLangClient:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def _session(self) -> aiohttp.ClientSession:
-        """One session per event loop (the rollout thread and the trainer thread each have one)."""
-        loop = asyncio.get_running_loop()
-        key = id(loop)
-        s = self._sessions.get(key)
-        if s is None or s.closed:
-            s = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.request_timeout),
-                                      connector=aiohttp.TCPConnector(limit=0))
-            self._sessions[key] = s
-        return s
-
     async def aclose(self) -> None:
-        s = self._sessions.pop(id(asyncio.get_running_loop()), None)
-        if s is not None:
-            await s.close()
+        """Nothing to release: every call opens and closes its own HTTP session (kept for API symmetry)."""
 
     async def _request(self, method: str, server: _Server, path: str, body: Any = None,
                        timeout: Optional[float] = None) -> tuple[int, Any]:
+        # A session per call: the client is used from several event loops (rollout thread, trainer
+        # thread) and a session may not cross loops; on loopback/LAN a new connection costs ~1 ms.
         kw: dict[str, Any] = {"headers": self._headers()}
         if body is not None:
             kw["json"] = body
-        if timeout is not None:
-            kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
-        async with self._session().request(method, server.address + path, **kw) as r:
-            if r.content_type == "application/json":
-                return r.status, await r.json()
-            return r.status, await r.text()
+        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout)
+        async with aiohttp.ClientSession(timeout=t) as session:
+            async with session.request(method, server.address + path, **kw) as r:
+                if r.content_type == "application/json":
+                    return r.status, await r.json()
+                return r.status, await r.text()
 
     # ---- server choice and health ----------------------------------------------------------
     async def _probe(self, s: _Server) -> bool:

@@ -187,44 +187,55 @@ class GenerationEngine:
             self._select_rows(keep)
 
     def _admit(self) -> None:
-        while len(self._running) < self.max_batch_size:
-            with self._lock:
-                if not self._waiting:
-                    return
-                r = self._waiting.popleft()
-            self._prefill(r)
+        free = self.max_batch_size - len(self._running)
+        with self._lock:
+            new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
+        if new:
+            self._prefill(new)
 
     @torch.no_grad()
-    def _prefill(self, r: GenRequest) -> None:
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        """One forward over the new prompts (left-padded), then merge their KV cache into the batch."""
         from transformers import DynamicCache
 
-        ids = torch.tensor([r.input_ids], dtype=torch.long, device=self.device)
-        out = self.model(ids, cache=DynamicCache(config=self.model.config), use_cache=True)
-        r.prompt_processed = True
-        tok, lp = self._sample(out.logits[:, -1].float(), [r])
-        self._append(r, int(tok[0]), float(lp[0]))
-        if self._check_finished(r):
+        lengths = [len(r.input_ids) for r in reqs]
+        L = max(lengths)
+        ids = torch.tensor([[0] * (L - n) + r.input_ids for r, n in zip(reqs, lengths)], device=self.device)
+        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=self.device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=self.model.config),
+                         use_cache=True)
+        toks, lps = self._sample(out.logits[:, -1].float(), reqs)
+        keep = []
+        for i, r in enumerate(reqs):
+            r.prompt_processed = True
+            self._append(r, int(toks[i]), float(lps[i]))
+            if not self._check_finished(r):
+                keep.append(i)
+        if not keep:
             return
-        self._merge(r, out.cache, len(r.input_ids), int(tok[0]))
+        idx = torch.tensor(keep, device=self.device)
+        for layer in out.cache.layers:
+            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+        self._merge([reqs[i] for i in keep], out.cache, mask[idx], torch.tensor(lengths, device=self.device)[idx],
+                    toks[idx])
 
-    def _merge(self, r: GenRequest, cache: Any, length: int, last: int) -> None:
-        """Add one request's KV cache to the batch cache, left-padding the shorter side."""
-        mask = torch.ones(1, length, dtype=torch.long, device=self.device)
+    def _merge(self, reqs: list[GenRequest], cache: Any, mask: torch.Tensor, pos: torch.Tensor,
+               last: torch.Tensor) -> None:
+        """Append rows to the batch KV cache, left-padding the shorter side so every row ends at the last column."""
         if self._cache is None:
-            self._cache, self._mask = cache, mask
-            self._pos = torch.tensor([length], device=self.device)
-            self._last = torch.tensor([last], device=self.device)
-            self._running = [r]
+            self._cache, self._mask, self._pos, self._last = cache, mask, pos, last
+            self._running = list(reqs)
             return
-        L = max(self._mask.shape[1], length)
-        pad_b, pad_n = L - self._mask.shape[1], L - length
+        L = max(self._mask.shape[1], mask.shape[1])
+        pad_b, pad_n = L - self._mask.shape[1], L - mask.shape[1]
         for lb, ln in zip(self._cache.layers, cache.layers):
             lb.keys = torch.cat([F.pad(lb.keys, (0, 0, pad_b, 0)), F.pad(ln.keys, (0, 0, pad_n, 0))])
             lb.values = torch.cat([F.pad(lb.values, (0, 0, pad_b, 0)), F.pad(ln.values, (0, 0, pad_n, 0))])
         self._mask = torch.cat([F.pad(self._mask, (pad_b, 0)), F.pad(mask, (pad_n, 0))])
-        self._pos = torch.cat([self._pos, torch.tensor([length], device=self.device)])
-        self._last = torch.cat([self._last, torch.tensor([last], device=self.device)])
-        self._running.append(r)
+        self._pos = torch.cat([self._pos, pos])
+        self._last = torch.cat([self._last, last])
+        self._running += reqs
 
     def _select_rows(self, keep: list[int]) -> None:
         self._running = [self._running[i] for i in keep]
@@ -282,25 +293,37 @@ class GenerationEngine:
         return False
 
     def _sample(self, logits: torch.Tensor, reqs: list[GenRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Greedy below temperature 1e-6; else top-k/top-p sampling. Logprobs are log_softmax(logits / T)
-        before truncation (greedy rows use T = 1), as SGLang reports them."""
-        dev = logits.device
-        greedy = torch.tensor([r.temperature < 1e-6 for r in reqs], device=dev)
-        temp = torch.tensor([1.0 if r.temperature < 1e-6 else r.temperature for r in reqs], device=dev)
-        scaled = logits / temp[:, None]
-        logp = torch.log_softmax(scaled, dim=-1)
-        tokens = scaled.argmax(-1)
-        if not bool(greedy.all()):
+        return sample(logits, [r.temperature for r in reqs], [r.top_k for r in reqs], [r.top_p for r in reqs],
+                      self._gen)
+
+
+def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
+           generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next token and its logprob per row of `logits` [B, V].
+
+    Greedy below temperature 1e-6; else sampling, with top-k/top-p truncation where asked.
+    Logprobs are log_softmax(logits / T) before truncation (greedy rows use T = 1), as SGLang
+    reports them. Sampling uses the exponential race (argmax p / Exp(1)), which draws exactly
+    from p without a sort or multinomial; only truncated rows pay for a sort.
+    """
+    dev = logits.device
+    greedy = torch.tensor([t < 1e-6 for t in temperature], device=dev)
+    temp = torch.tensor([1.0 if t < 1e-6 else t for t in temperature], device=dev)
+    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
+    tokens = logp.argmax(-1)
+    if not bool(greedy.all()):
+        probs = logp.exp()
+        trunc = [i for i, t in enumerate(temperature) if t >= 1e-6 and (top_k[i] > 0 or top_p[i] < 1.0)]
+        if trunc:
             V = logits.shape[-1]
-            top_k = torch.tensor([r.top_k if r.top_k > 0 else V for r in reqs], device=dev).clamp(max=V)
-            top_p = torch.tensor([r.top_p for r in reqs], device=dev)
-            sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)
-            ranks = torch.arange(V, device=dev)[None, :]
-            probs = torch.softmax(sorted_logits, dim=-1)
-            before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-            drop = (ranks >= top_k[:, None]) | (before > top_p[:, None])
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            pick = torch.multinomial(torch.softmax(sorted_logits, dim=-1), 1, generator=self._gen).squeeze(1)
-            sampled = sorted_idx.gather(1, pick[:, None]).squeeze(1)
-            tokens = torch.where(greedy, tokens, sampled)
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+            rows = torch.tensor(trunc, device=dev)
+            k = torch.tensor([top_k[i] if top_k[i] > 0 else V for i in trunc], device=dev).clamp(max=V)
+            p = torch.tensor([top_p[i] for i in trunc], device=dev)
+            p_sorted, order = probs[rows].sort(dim=-1, descending=True)
+            before = p_sorted.cumsum(-1) - p_sorted  # mass of strictly more likely tokens
+            drop = (torch.arange(V, device=dev)[None, :] >= k[:, None]) | (before > p[:, None])
+            p_sorted = p_sorted.masked_fill(drop, 0.0)
+            probs[rows] = torch.zeros_like(p_sorted).scatter_(1, order, p_sorted)
+        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+        tokens = torch.where(greedy, tokens, (probs / race).argmax(-1))
+    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)

@@ -1,0 +1,213 @@
+"""The embedded server against its protocol, with the real client; references are plain transformers forwards."""
+import asyncio
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mega_async.inference.client import SGLangClient
+from mega_async.inference.launch import free_port
+from mega_async.types import ModelRequest
+
+from .conftest import get, greedy_ok, post, ref_logprobs, run
+
+PROMPT = [5, 17, 300, 42, 7, 99]
+
+
+def gen(address, **kw):
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 24, "temperature": 0.7}, "return_logprob": True}
+    body.update(kw)
+    return post(address, "/generate", body)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.3])
+def test_logprobs_match_transformers(server, hf_models, temperature):
+    addr = server.addresses[0]
+    st, out = gen(addr, sampling_params={"max_new_tokens": 32, "temperature": temperature, "ignore_eos": True})
+    assert st == 200, out
+    toks = out["output_ids"]
+    lps = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    assert [x[1] for x in out["meta_info"]["output_token_logprobs"]] == toks
+    ref = ref_logprobs(hf_models["v0"], PROMPT, toks, temperature)
+    assert torch.allclose(lps, ref, atol=1e-4), (lps - ref).abs().max()
+    m = out["meta_info"]
+    assert m["finish_reason"] == {"type": "length", "length": 32}
+    assert (m["prompt_tokens"], m["completion_tokens"], m["weight_version"]) == (len(PROMPT), 32, "0")
+
+
+def test_greedy_is_deterministic_and_argmax(server, hf_models):
+    addr = server.addresses[0]
+    outs = [gen(addr, sampling_params={"max_new_tokens": 20, "temperature": 0})[1]["output_ids"] for _ in range(2)]
+    assert outs[0] == outs[1]
+    assert bool(greedy_ok(hf_models["v0"], PROMPT, outs[0]).all())
+
+
+def test_stop_token_kept_and_text_batch(server):
+    addr = server.addresses[0]
+    first = gen(addr, sampling_params={"max_new_tokens": 5, "temperature": 0})[1]["output_ids"]
+    stop_tok = first[2]
+    st, out = gen(addr, sampling_params={"max_new_tokens": 20, "temperature": 0, "stop_token_ids": [stop_tok]})
+    assert out["output_ids"][-1] == stop_tok and len(out["output_ids"]) == first.index(stop_tok) + 1
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    st, outs = post(addr, "/generate", {"text": ["Natalia sold", "How many"], "sampling_params": {"max_new_tokens": 3}})
+    assert st == 200 and isinstance(outs, list) and len(outs) == 2
+    assert all(len(o["output_ids"]) == 3 and isinstance(o["text"], str) for o in outs)
+    st, out = post(addr, "/generate", {"text": "Natalia", "sampling_params": {"max_new_tokens": 0}})
+    assert st == 200 and out["output_ids"] == []
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"input_ids": PROMPT, "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"input_ids": PROMPT, "sampling_params": {"top_k": 0}}, "top_k"),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": "ten"}}, "max_new_tokens"),
+        ({"input_ids": [1, 999999]}, "outside"),
+        ({"input_ids": []}, "input_ids"),
+        ({"sampling_params": {}}, "text or input_ids"),
+        ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 10**6}}, "context length"),
+    ],
+)
+def test_malformed_requests_get_sglang_400(server, body, needle):
+    addr = server.addresses[0]
+    st, out = post(addr, "/generate", body)
+    assert st == 400
+    assert out["object"] == "error" and out["code"] == 400 and out["type"] == "Bad Request"
+    assert needle in out["message"]
+    assert gen(addr)[0] == 200  # still serving
+
+
+def test_no_body_bad_json_and_duplicate_rid(server):
+    addr = server.addresses[0]
+    assert post(addr, "/pause_generation")[0] == 400  # control endpoints need a body
+    st, out = post(addr, "/generate", raw=b"{not json")
+    assert st == 400 and "invalid JSON" in out["message"]
+    res = {}
+    body = {"input_ids": PROMPT, "rid": "dup-1", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
+    t = threading.Thread(target=lambda: res.setdefault("a", post(addr, "/generate", body)))
+    t.start()
+    time.sleep(0.5)
+    st, out = post(addr, "/generate", body)
+    assert st == 400 and "Duplicate request id" in out["message"]
+    assert post(addr, "/abort_request", {"rid": "dup"})[0] == 200  # rid matches by prefix
+    t.join(60)
+    assert res["a"][1]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_info_endpoints(server):
+    addr = server.addresses[0]
+    assert get(addr, "/health")[0] == 200
+    st, info = get(addr, "/model_info")
+    assert st == 200 and info["is_generation"] and info["weight_version"] == "0"
+    assert info["architectures"] == ["Qwen3MoeForCausalLM"]
+    st, si = get(addr, "/server_info")
+    assert st == 200 and si["tp_size"] == 1 and "max_total_num_tokens" in si
+    st, models = get(addr, "/v1/models")
+    assert st == 200 and models["data"][0]["id"]
+    assert get(addr, "/flush_cache")[0] == 200
+
+
+def test_pause_abort_update_continue_resubmits(server, hf_models, weights_root):
+    """Pause mid-generation -> update from disk (version 1) -> continue: the request finishes with both versions."""
+    addr = server.addresses[0]
+    client = SGLangClient([addr])
+
+    async def main():
+        req = ModelRequest(input_ids=PROMPT, max_new_tokens=1500, temperature=0.0, ignore_eos=True)
+        task = asyncio.create_task(client.agenerate(req))
+        await asyncio.sleep(0.7)
+
+        async def load():
+            await client.update_weights_from_disk(str(weights_root / "v1"), 1)
+
+        await client.update_weights(load, version=1)
+        resp = await task
+        info = await client.model_info()
+        await client.aclose()
+        return resp, info
+
+    resp, info = run(main())
+    assert info[0]["weight_version"] == "1"
+    v = torch.tensor(resp.output_versions)
+    assert len(resp.output_tokens) == 1500 and resp.stop_reason == "length"
+    assert resp.num_interruptions >= 1
+    switch = int((v == 1).nonzero()[0])
+    assert 0 < switch and bool((v[:switch] == 0).all()) and bool((v[switch:] == 1).all())
+    prompt, out = PROMPT, resp.output_tokens
+    assert bool(greedy_ok(hf_models["v0"], prompt, out[:switch]).all())
+    # after the switch: the new weights' greedy choice, given prompt + tokens so far
+    assert bool(greedy_ok(hf_models["v1"], prompt + out[:switch], out[switch:]).all())
+    ref = ref_logprobs(hf_models["v1"], prompt + out[:switch], out[switch:switch + 50], 0.0)
+    assert torch.allclose(torch.tensor(resp.output_logprobs[switch:switch + 50]), ref, atol=1e-4)
+    # back to v0 for the other tests
+    assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"), "weight_version": "0"})[0] == 200
+
+
+def test_failed_updates_answer_400_and_keep_old_weights(server, hf_models, weights_root, tmp_path):
+    addr = server.addresses[0]
+    before = gen(addr, sampling_params={"max_new_tokens": 8, "temperature": 0})[1]["output_ids"]
+    st, out = post(addr, "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert st == 400 and out["success"] is False and "outside the allowed weights root" in out["message"]
+    st, out = post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "missing")})
+    assert st == 400 and "not a directory" in out["message"]
+    bad = weights_root / "bad_shape"
+    bad.mkdir(exist_ok=True)
+    sd = {k: v.clone() for k, v in hf_models["v1"].state_dict().items() if "experts" not in k}
+    sd["model.embed_tokens.weight"] = torch.zeros(7, 3)
+    save_file(sd, str(bad / "model.safetensors"))
+    st, out = post(addr, "/update_weights_from_disk", {"model_path": str(bad), "weight_version": "9"})
+    assert st == 400 and "shape" in out["message"] and "Rolled back" in out["message"]
+    assert get(addr, "/model_info")[1]["weight_version"] == "0"
+    assert gen(addr, sampling_params={"max_new_tokens": 8, "temperature": 0})[1]["output_ids"] == before
+
+
+def _trainer_rank0(port: int, names: list, path: str, q) -> None:
+    """A separate process acting as trainer rank 0: join the group, broadcast new weights in order."""
+    from safetensors.torch import load_file
+
+    from mega_async.inference.dist_group import WeightGroup
+
+    try:
+        g = WeightGroup("gloo", "127.0.0.1", port, 2, 0, "wu")
+        sd = load_file(path)
+        for n in names:
+            g.broadcast(sd[n].contiguous(), src=0)
+        q.put("ok")
+    except Exception as e:  # noqa: BLE001
+        q.put(repr(e))
+
+
+def test_distributed_update_over_gloo(server, hf_models, weights_root):
+    from safetensors import safe_open
+
+    addr = server.addresses[0]
+    path = str(weights_root / "v1" / "model.safetensors")
+    with safe_open(path, "pt") as f:
+        names = sorted(f.keys())
+        shapes = [list(f.get_slice(n).get_shape()) for n in names]
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    trainer = ctx.Process(target=_trainer_rank0, args=(port, names, path, q))
+    trainer.start()
+    client = SGLangClient([addr])
+
+    async def main():
+        world = await client.init_weights_update_group("127.0.0.1", port, "wu", backend="gloo")
+        assert world == 2
+        await client.update_weights_from_distributed(names, ["float32"] * len(names), shapes, "wu", version=5)
+        await client.destroy_weights_update_group("wu")
+        await client.aclose()
+
+    run(main())
+    trainer.join(60)
+    assert q.get(timeout=5) == "ok"
+    st, out = gen(addr, sampling_params={"max_new_tokens": 16, "temperature": 1.0})
+    assert out["meta_info"]["weight_version"] == "5"
+    lps = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(lps, ref_logprobs(hf_models["v1"], PROMPT, out["output_ids"], 1.0), atol=1e-4)
+    assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"), "weight_version": "0"})[0] == 200
