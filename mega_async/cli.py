@@ -1,4 +1,4 @@
-"""`mega-async` command line: rollout (demo driver), bench."""
+"""`mega-async` command line: rollout (driver without a trainer yet), serve (embedded inference server)."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +28,20 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_init_weights(argv: list[str]) -> int:
+    from mega_async.model_cards import init_random_weights
+
+    p = argparse.ArgumentParser(prog="mega-async init-weights", description="random-init safetensors for a model card")
+    p.add_argument("model_dir", help="directory with config.json (e.g. models/tiny-qwen3-moe)")
+    p.add_argument("--out", default=None, help="write here instead of in place (config and tokenizer are copied)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--force", action="store_true", help="overwrite existing weights")
+    a = p.parse_args(argv)
+    out = init_random_weights(a.model_dir, a.out, seed=a.seed, force=a.force)
+    print(f"weights in {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mega-async", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -35,6 +49,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", "-c", default=None, help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_staleness=4")
     p.set_defaults(fn=_cmd_rollout)
+    sub.add_parser("serve", help="embedded SGLang-protocol server (see python -m mega_async.inference.server -h)",
+                   add_help=False)
+    sub.add_parser("init-weights", help="write deterministic random-init weights for a model card",
+                   add_help=False)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        from mega_async.inference.server import main as serve
+
+        serve(argv[1:])
+        return 0
+    if argv[:1] == ["init-weights"]:
+        return _cmd_init_weights(argv[1:])
     args = parser.parse_args(argv)
     try:
         return args.fn(args)

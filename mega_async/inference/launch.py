@@ -66,6 +66,8 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
             cmd += ["--weights-root", spec.weights_root]
         if spec.dtype:
             cmd += ["--dtype", spec.dtype]
+        # CPU servers on one host share its cores; oversubscribed OpenMP threads spin against each other
+        cmd += ["--num-threads", str(max(1, (os.cpu_count() or 1) // spec.num_servers))]
     elif spec.backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
@@ -110,9 +112,12 @@ class ServerLauncher:
                 log = self.log_dir / f"server{i}.log"
                 cmd = server_command(self.spec, port, i)
                 logger.info("starting server %d: %s", i, " ".join(cmd))
+                env = dict(os.environ)
+                if "--num-threads" in cmd:
+                    env["OMP_NUM_THREADS"] = cmd[cmd.index("--num-threads") + 1]
                 with log.open("wb") as f:
                     p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=_die_with_parent)
+                                         env=env, preexec_fn=_die_with_parent)
                 self.procs.append(p)
                 self._logs.append(log)
                 self.addresses.append(f"{self.spec.host}:{port}")

@@ -478,6 +478,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=os.environ.get("MEGA_ASYNC_API_KEY"))
     p.add_argument("--max-running-requests", type=int, default=64)
     p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); give each of N servers on one host cores/N")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -487,7 +489,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (Path(args.model) / "config.json").exists():
         raise SystemExit(f"--model {args.model}: no config.json there; pass an HF-format model directory")
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     server = EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
                             api_key=args.api_key, max_batch_size=args.max_running_requests, seed=args.random_seed,
                             host=args.host, port=args.port)
