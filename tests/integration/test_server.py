@@ -211,3 +211,41 @@ def test_distributed_update_over_gloo(server, hf_models, weights_root):
     lps = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]])
     assert torch.allclose(lps, ref_logprobs(hf_models["v1"], PROMPT, out["output_ids"], 1.0), atol=1e-4)
     assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"), "weight_version": "0"})[0] == 200
+
+
+def test_in_place_pause_keeps_requests_and_update_waits_without_pause(server, weights_root):
+    addr = server.addresses[0]
+    res, order = {}, []
+    body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 600, "ignore_eos": True}, "return_logprob": True}
+
+    def long_request(key):
+        res[key] = post(addr, "/generate", body)
+        order.append(key)
+
+    t = threading.Thread(target=long_request, args=("gen",))
+    t.start()
+    time.sleep(0.3)
+    assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
+    time.sleep(0.1)
+    steps = get(addr, "/server_info")[1]
+    time.sleep(0.4)
+    held = get(addr, "/server_info")[1]
+    assert held["num_running_reqs"] == 1 and "gen" not in res  # kept open, not decoding, not answered
+    # while paused, an update runs at once (flush_cache false, as with SGLang's in_place mode)
+    st, out = post(addr, "/update_weights_from_disk",
+                   {"model_path": str(weights_root / "v0"), "weight_version": "0", "flush_cache": False})
+    assert st == 200 and out["success"]
+    assert post(addr, "/continue_generation", {})[0] == 200
+    t.join(60)
+    st, out = res["gen"]
+    assert st == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert len(out["output_ids"]) == 600 and steps["num_running_reqs"] == 1
+    # without a pause, an update waits for the request in flight (writer lock)
+    t = threading.Thread(target=long_request, args=("gen2",))
+    t.start()
+    time.sleep(0.3)
+    st, _ = post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"), "weight_version": "0"})
+    order.append("update")
+    t.join(60)
+    assert st == 200 and order[-2:] == ["gen2", "update"]
+    assert res["gen2"][1]["meta_info"]["finish_reason"]["type"] == "length"
