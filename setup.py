@@ -18,6 +18,7 @@ CORE = [
     "matplotlib>=3.8",
     "nvidia-ml-py>=12.0",
     "numpy>=1.26",
+    "einops>=0.7",  # mbridge imports it for its VLM bridges
 ]
 
 setup(
