@@ -67,12 +67,19 @@ class HFBridge:
             use_cpu_initialization=self.on_cpu,
             batch_p2p_comm=False,  # batched p2p gave wrong VPP gradients on gloo
             deterministic_mode=False,
+            # losses are token sums; Megatron divides the gradients by the global token count
+            # (all-reduced over DP) instead of averaging per micro-batch and per DP rank
+            calculate_per_token_loss=True,
         )
         if self.mb.mpu.vpp_size is None or self.mb.mpu.pp_size == 1:
             overrides["overlap_p2p_comm"] = False
         self.mb.set_extra_args(**overrides)
         self.config = self.mb.config
         self.config.pipeline_model_parallel_size = self.mb.mpu.pp_size  # else every stage builds all layers
+        from megatron.core.distributed import finalize_model_grads
+
+        # DP reduce-scatter, TP all-reduce of sequence-parallel norm/router grads, token-count scaling
+        self.config.finalize_model_grads_func = finalize_model_grads
 
     @staticmethod
     def _te_available() -> bool:

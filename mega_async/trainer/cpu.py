@@ -133,6 +133,26 @@ class _CpuTorch(types.ModuleType):
         return getattr(torch, name)
 
 
+def _with_cuda_type_names(fn: Any) -> Any:
+    orig_type = torch.Tensor.type
+
+    def cuda_named_type(self: torch.Tensor, *a: Any, **k: Any) -> Any:
+        if a or k:
+            return orig_type(self, *a, **k)
+        name = orig_type(self)
+        return name.replace("torch.", "torch.cuda.", 1) if not self.is_cuda else name
+
+    @functools.wraps(fn)
+    def inner(*a: Any, **k: Any) -> Any:
+        torch.Tensor.type = cuda_named_type  # type: ignore[method-assign]
+        try:
+            return fn(*a, **k)
+        finally:
+            torch.Tensor.type = orig_type  # type: ignore[method-assign]
+
+    return inner
+
+
 def apply_cpu_patches() -> bool:
     """Patch Megatron-Core for CPU/gloo when CUDA is unavailable; idempotent. Returns whether patched."""
     global _APPLIED
@@ -199,6 +219,18 @@ def apply_cpu_patches() -> bool:
         return norm
 
     torch_norm.WrappedTorchNorm.__new__ = norm_new  # type: ignore[method-assign]
+
+    # The optimizers sort parameters by `param.type()` against 'torch.cuda.*Tensor' names and reject
+    # anything else; inside those two functions only, CPU tensors report their CUDA type name.
+    from megatron.core.optimizer import distrib_optimizer, optimizer
+
+    for cls, fn in ((distrib_optimizer.DistributedOptimizer, "_build_model_and_main_param_groups"),
+                    (optimizer.Float16OptimizerWithFloat16Params, "__init__")):
+        raw = cls.__dict__[fn]
+        if isinstance(raw, (staticmethod, classmethod)):
+            setattr(cls, fn, type(raw)(_with_cuda_type_names(raw.__func__)))
+        else:
+            setattr(cls, fn, _with_cuda_type_names(raw))
     _APPLIED = True
     logger.info("Megatron-Core patched for CPU/gloo (%d modules see CPU devices)", len(_MODULES))
     return True
