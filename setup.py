@@ -19,6 +19,7 @@ CORE = [
     "nvidia-ml-py>=12.0",
     "numpy>=1.26",
     "einops>=0.7",  # mbridge imports it for its VLM bridges
+    "psutil>=5.9",  # Megatron distributed checkpoints
 ]
 
 setup(

@@ -53,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("init-weights", help="write deterministic random-init weights for a model card",
                    add_help=False)
+    sub.add_parser("convert", help="HF <-> Megatron checkpoints (see mega-async convert -h)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["convert"]:
+        from mega_async.convert import main as convert
+
+        return convert(argv[1:])
     if argv[:1] == ["serve"]:
         from mega_async.inference.server import main as serve
 

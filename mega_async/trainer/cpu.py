@@ -52,6 +52,14 @@ _MODULES = [
     "megatron.core.optimizer.distrib_optimizer",
     "megatron.core.optimizer.clip_grads",  # norms on current_device()
     "megatron.core.timers",
+    # distributed checkpoints: torch.cuda.synchronize / current_device around the file writes
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
+    "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.tensor_aware_state_dict",
 ]
 
 

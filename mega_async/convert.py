@@ -1,0 +1,162 @@
+"""Checkpoint conversion: HF safetensors <-> Megatron distributed checkpoint, at any TP/PP/EP layout.
+
+    hf-to-mcore: HF dir -> build at the layout -> load HF weights -> dist_checkpointing.save
+    mcore-to-hf: mcore dir -> build at a layout -> dist_checkpointing.load -> gathered HF export
+
+Run in one process or under torchrun (the layout's world size). Writes go to `<out>.partial`
+and are renamed at the end, so an interrupted conversion never leaves a half checkpoint.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("mega_async.convert")
+
+META = "mega_async_meta.json"
+HF_SUBDIR = "hf"  # config and tokenizer files of the source model, kept with the Megatron checkpoint
+
+
+class ConvertError(RuntimeError):
+    pass
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict:
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    from megatron.core import parallel_state as mpu
+
+    out = {}
+    for i, m in enumerate(models):
+        mpu.set_virtual_pipeline_model_parallel_rank(i)
+        out[f"model{i}"] = m.sharded_state_dict()
+    mpu.set_virtual_pipeline_model_parallel_rank(0)
+    return out
+
+
+def _copy_model_files(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, dst / f.name)
+
+
+def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    from mega_async.bridge import load_hf_weights
+    from mega_async.trainer.model import build_model
+
+    src, out = Path(hf_dir), Path(out_dir)
+    if not (src / "config.json").exists():
+        raise ConvertError(f"{src} is not an HF model directory (no config.json)")
+    if not list(src.glob("*.safetensors")):
+        raise ConvertError(f"{src} has no *.safetensors weights")
+    t0 = time.monotonic()
+    models = build_model(src, allocation)
+    n = load_hf_weights(models, src)
+    tmp = out.with_name(out.name + ".partial")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
+    dist_checkpointing.save(_sharded_state_dict(models), str(tmp))
+    nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
+    count = sum(1 for _ in _hf_names(src))
+    if _rank() == 0:
+        _copy_model_files(src, tmp / HF_SUBDIR)
+        (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,
+                                            "source": str(src.resolve()), "hf_tensors": count}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    _barrier()
+    return {"tensors": count, "bytes": nbytes, "seconds": time.monotonic() - t0}
+
+
+def _hf_names(d: Path) -> Any:
+    from safetensors import safe_open
+
+    for f in sorted(d.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            yield from sf.keys()
+
+
+def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) -> dict[str, Any]:
+    from megatron.core import dist_checkpointing
+
+    from mega_async.bridge import save_hf_checkpoint
+    from mega_async.trainer.model import build_model
+
+    src = Path(mcore_dir)
+    meta_path = src / META
+    if not meta_path.exists():
+        raise ConvertError(f"{src} is not a checkpoint written by hf-to-mcore (no {META})")
+    meta = json.loads(meta_path.read_text())
+    allocation = allocation or "megatron:d1"
+    t0 = time.monotonic()
+    models = build_model(src / HF_SUBDIR, allocation)
+    state = dist_checkpointing.load(_sharded_state_dict(models), str(src))
+    keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
+    for k, m in zip(keys, models):
+        m.load_state_dict(state[k], strict=False)
+    stats = save_hf_checkpoint(models, out_dir, src_dir=src / HF_SUBDIR)
+    if stats["tensors"] and meta.get("hf_tensors") and stats["tensors"] != meta["hf_tensors"] and _rank() == 0:
+        raise ConvertError(f"exported {stats['tensors']} tensors, the source had {meta['hf_tensors']}")
+    return {**stats, "seconds": time.monotonic() - t0}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="mega-async convert", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="direction", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron distributed checkpoint")
+    a.add_argument("--hf", required=True, help="HF model directory")
+    a.add_argument("--out", required=True)
+    a.add_argument("--allocation", default="megatron:d1", help="trainer layout, e.g. megatron:t2 or megatron:d2t2e2")
+    b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors (+ config, tokenizer)")
+    b.add_argument("--mcore", required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--allocation", default=None, help="layout to load at (default: one rank)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mega_async.trainer.parallel import AllocationError
+
+    try:
+        if args.direction == "hf-to-mcore":
+            stats = hf_to_mcore(args.hf, args.out, args.allocation)
+        else:
+            stats = mcore_to_hf(args.mcore, args.out, args.allocation)
+    except (ConvertError, AllocationError, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"convert: {e}", file=sys.stderr)
+        return 2
+    if _rank() == 0:
+        print(f"converted {args.direction}: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.1f} MiB, "
+              f"{stats['seconds']:.1f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
