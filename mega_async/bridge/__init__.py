@@ -48,13 +48,17 @@ def _with_legacy_fields(cfg: Any) -> Any:
 class HFBridge:
     """One model family's HF <-> Megatron mapping for the current parallel layout (Megatron initialised)."""
 
-    def __init__(self, hf_dir_or_config: Any, dtype: torch.dtype = torch.float32):
+    def __init__(self, hf_dir_or_config: Any, dtype: torch.dtype = torch.float32, layer_spec: str = "auto"):
         from mbridge import AutoBridge
 
+        if layer_spec not in ("auto", "local", "te"):
+            raise ValueError(f"layer_spec={layer_spec!r}: use auto, local or te")
         self.hf_config = _with_legacy_fields(_hf_config(hf_dir_or_config))
         self.dtype = dtype
         self.on_cpu = not torch.cuda.is_available()
-        self.use_te = self._te_available()
+        if layer_spec == "te" and not self._te_available():
+            raise RuntimeError("layer_spec=te needs CUDA and transformer-engine (pip install -e .[gpu])")
+        self.use_te = self._te_available() if layer_spec == "auto" else layer_spec == "te"
         self.mb = AutoBridge.from_config(self.hf_config, dtype=dtype)
         overrides: dict[str, Any] = dict(
             moe_grouped_gemm=self.use_te,  # local spec: SequentialMLP (one module per expert)

@@ -10,13 +10,14 @@ from mega_async.trainer.parallel import as_strategy, init_parallel_state, valida
 
 
 def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = torch.float32,
-                load_weights: bool = False) -> list[torch.nn.Module]:
+                load_weights: bool = False, layer_spec: str = "auto") -> list[torch.nn.Module]:
     """One module per virtual pipeline chunk of this rank.
 
     `allocation` is a string ("megatron:d1t2e2"), a parsed Allocation or a ParallelStrategy. Under
     torchrun this initialises torch.distributed and Megatron's parallel state when they are not yet;
     the layout is checked against the model first. With `load_weights` (an HF directory), its
-    safetensors are loaded too.
+    safetensors are loaded too. `layer_spec`: auto (Transformer Engine on GPU when installed, else
+    Megatron's local modules), local, or te.
     """
     from mega_async.bridge import HFBridge, _hf_config, load_hf_weights
 
@@ -24,7 +25,7 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     hf_config = _hf_config(hf_dir_or_config)
     validate_for_model(strategy, hf_config)
     init_parallel_state(strategy)
-    bridge = HFBridge(hf_config, dtype=dtype)
+    bridge = HFBridge(hf_config, dtype=dtype, layer_spec=layer_spec)
     models = bridge.build()
     for m in models:
         m._mega_async_bridge = bridge
