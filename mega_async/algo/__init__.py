@@ -1,0 +1,1 @@
+"""RL objectives: decoupled PPO loss, proximal-policy approximations, GRPO-family advantages, KL."""
