@@ -107,12 +107,17 @@ class HFBridge:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
+        from mega_async.trainer.attention import use_packed_attention
+
         if self.is_moe:
-            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=self.use_te,
+            spec = get_gpt_decoder_block_spec(self.config, use_transformer_engine=self.use_te,
                                               normalization="RMSNorm", vp_stage=vp_stage)
-        if self.use_te:
+        elif self.use_te:
             return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=self.config.qk_layernorm)
-        return get_gpt_layer_local_spec(qk_layernorm=self.config.qk_layernorm, normalization="RMSNorm")
+        else:
+            spec = get_gpt_layer_local_spec(qk_layernorm=self.config.qk_layernorm, normalization="RMSNorm")
+        # local spec: packed 1-D micro-batches need THD attention (TE has it natively)
+        return spec if self.use_te else use_packed_attention(spec)
 
     def build(self) -> list[torch.nn.Module]:
         """One GPTModel per virtual pipeline stage of this rank."""
