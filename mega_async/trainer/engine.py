@@ -1,0 +1,284 @@
+"""Megatron train engine: packed 1-D micro-batches, pipeline-aware FFD, decoupled PPO.
+
+train_batch: [recompute or approximate prox logp] -> split into PPO mini-batches -> per mini-batch:
+FFD micro-batches (same count on every DP rank) -> Megatron forward-backward schedule -> one
+optimizer step (distributed optimizer, grad clipping) -> LR schedule step.
+Losses are token sums; Megatron divides gradients by the global token count (all micro-batches,
+all DP ranks), so the objective is a global token mean whatever the split.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss
+from mega_async.packing import Packed, allocate_micro_batches, pack, seq_alignment
+
+logger = logging.getLogger("mega_async.trainer.engine")
+
+STAT_KEYS = ("loss", "n_tokens", "entropy", "staleness", "clip_frac", "imp_weight_capped_frac",
+             "behav_imp_weight_mean", "approx_kl")
+
+
+@dataclass
+class EngineConfig:
+    lr: float = 1e-5
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    lr_decay: str = "constant"  # constant | linear | cosine
+    grad_clip: float = 1.0
+    adam_eps: float = 1e-8
+    max_tokens_per_mb: int = 4096
+    ppo_n_minibatches: int = 1
+    temperature: float = 1.0  # logprobs scaled like the sampler
+    eps_clip: float = 0.2
+    eps_clip_high: Optional[float] = None
+    dual_clip: Optional[float] = None
+    behav_imp_weight_cap: Optional[float] = 5.0
+    prox_logp: str = "recompute"  # recompute | loglinear | linear | behavior
+
+    @classmethod
+    def from_run_config(cls, cfg: Any) -> "EngineConfig":
+        t, a = cfg.trainer, cfg.algorithm
+        return cls(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+                   total_steps=t.total_steps, lr_decay=t.lr_decay, grad_clip=t.grad_clip,
+                   max_tokens_per_mb=t.max_tokens_per_mb, ppo_n_minibatches=t.ppo_n_minibatches,
+                   temperature=cfg.rollout.temperature or 1.0, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
+                   dual_clip=a.dual_clip, behav_imp_weight_cap=a.behav_imp_weight_cap, prox_logp=a.prox_logp)
+
+
+@dataclass
+class MicroBatch:
+    packed: Packed
+    labels: torch.Tensor  # [T] next token at each position
+    loss_mask: torch.Tensor  # [T] 1 where the next token is a trained output token
+    behav: torch.Tensor  # [T] behaviour logprob of the next token
+    prox: Optional[torch.Tensor]
+    advantages: torch.Tensor  # [T]
+    versions: torch.Tensor  # [T]
+    rows: list[int]
+
+
+class MegatronTrainEngine:
+    def __init__(self, hf_dir: str, allocation: Any, cfg: EngineConfig, dtype: Optional[torch.dtype] = None):
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from mega_async.trainer.model import build_model
+
+        self.cfg = cfg
+        on_gpu = torch.cuda.is_available()
+        dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
+        self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
+        self.bridge = self.models[0]._mega_async_bridge
+        ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+        self.ddp = [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m) for m in self.models]
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                            clip_grad=cfg.grad_clip, adam_eps=cfg.adam_eps, use_distributed_optimizer=True,
+                            bf16=dtype is torch.bfloat16, params_dtype=dtype), self.ddp)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
+            lr_decay_style=cfg.lr_decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+            wd_incr_steps=max(cfg.total_steps, 1), wd_incr_style="constant")
+        self.pp = mpu.get_pipeline_model_parallel_world_size()
+        self.tp = mpu.get_tensor_model_parallel_world_size()
+        self.cp = mpu.get_context_parallel_world_size()
+        self.version = 0
+        self._stats: dict[str, torch.Tensor] = {}
+
+    # ---- batching ----------------------------------------------------------------------------
+    def _rows(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """Unpad [n, L] trajectory tensors into per-sequence 1-D tensors (labels shifted by one)."""
+        n = batch["input_ids"].shape[0]
+        adv = batch["advantages"]
+        out = []
+        for i in range(n):
+            L = int(batch["attention_mask"][i].sum())
+            ids = batch["input_ids"][i, :L]
+            shift = lambda t, fill=0: torch.cat([t[i, 1:L], t.new_full((1,), fill)])  # noqa: E731
+            a = adv[i] if adv.dim() == 1 else None
+            out.append({
+                "ids": ids, "labels": torch.cat([ids[1:], ids.new_zeros(1)]),
+                "mask": shift(batch["loss_mask"]), "behav": shift(batch["logprobs"]),
+                "versions": shift(batch["versions"], -1),
+                "adv": (torch.full((L,), float(a)) if a is not None else shift(adv)).float(),
+                "prox": shift(batch["prox_logprobs"]) if "prox_logprobs" in batch else None,
+            })
+        return out
+
+    def _micro_batches(self, rows: list[dict[str, torch.Tensor]], idx: list[int]) -> list[MicroBatch]:
+        from megatron.core import parallel_state as mpu
+
+        lengths = [rows[i]["ids"].numel() for i in idx]
+        align = seq_alignment(self.tp, self.cp)
+        padded = [-(-n // align) * align for n in lengths]
+        count = torch.tensor(len(allocate_micro_batches(padded, self.cfg.max_tokens_per_mb, self.pp)))
+        if dist.is_initialized():  # every DP rank runs the same number of micro-batches
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+        groups = allocate_micro_batches(padded, self.cfg.max_tokens_per_mb, self.pp, min_count=int(count))
+        mbs = []
+        for g in groups:
+            sel = [rows[idx[j]] for j in g]
+            p = pack([r["ids"] for r in sel], align=align)
+
+            def cat(key: str, fill: float = 0.0) -> torch.Tensor:
+                parts = []
+                for r, n, pl in zip(sel, p.lengths, p.padded_lengths):
+                    parts.append(torch.nn.functional.pad(r[key].float() if key != "labels" else r[key], (0, pl - n),
+                                                         value=fill))
+                return torch.cat(parts)
+
+            mbs.append(MicroBatch(p, cat("labels").long(), cat("mask"), cat("behav"),
+                                  cat("prox") if sel[0]["prox"] is not None else None, cat("adv"),
+                                  cat("versions", -1).long(), [idx[j] for j in g]))
+        return mbs
+
+    # ---- forward plumbing -------------------------------------------------------------------
+    def _run(self, mbs: list[MicroBatch], loss_fn: Any, forward_only: bool) -> list[Any]:
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step(it: Iterator[MicroBatch], model: torch.nn.Module) -> Any:
+            mb = next(it)
+            cu = mb.packed.cu_seqlens.to(_device())
+            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                  max_seqlen_q=mb.packed.max_seqlen, max_seqlen_kv=mb.packed.max_seqlen)
+            out = model(mb.packed.tokens[None].to(_device()), mb.packed.position_ids[None].to(_device()), None,
+                        packed_seq_params=psp)
+            return out, lambda logits, non_loss_data=False, mb=mb: loss_fn(logits[0], mb)
+
+        max_t = max(mb.packed.tokens.numel() for mb in mbs)
+        models = self.models if forward_only else self.ddp
+        return get_forward_backward_func()(
+            forward_step_func=step, data_iterator=[iter(mbs) for _ in models], model=models,
+            num_microbatches=len(mbs), seq_length=max_t, micro_batch_size=1, forward_only=forward_only,
+            collect_non_loss_data=forward_only)
+
+    @torch.no_grad()
+    def _logprobs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+        """Per-position logprob of the next token for each micro-batch (broadcast from the last stage)."""
+        from megatron.core import parallel_state as mpu
+
+        from mega_async.trainer.logprobs import vocab_parallel_logprobs
+
+        for m in self.models:
+            m.eval()
+        outs = self._run(mbs, lambda logits, mb: vocab_parallel_logprobs(
+            logits, mb.labels.to(_device()), self.cfg.temperature)[0].float().cpu(), forward_only=True)
+        for m in self.models:
+            m.train()
+        res = []
+        last = mpu.is_pipeline_last_stage(ignore_virtual=True)
+        group = mpu.get_pipeline_model_parallel_group()
+        src = dist.get_global_rank(group, self.pp - 1) if self.pp > 1 else None
+        for i, mb in enumerate(mbs):
+            t = outs[i] if last else torch.empty(mb.packed.tokens.numel())
+            if self.pp > 1:
+                t = t.to(_device())
+                dist.broadcast(t, src, group=group)
+                t = t.cpu()
+            res.append(t)
+        return res
+
+    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Current-policy logprob of every token ([n, L], 0 on the first), without grad (the proximal policy)."""
+        rows = self._rows(batch)
+        out = torch.zeros_like(batch["logprobs"], dtype=torch.float32)
+        mbs = self._micro_batches(rows, list(range(len(rows))))
+        for mb, lp in zip(mbs, self._logprobs(mbs)):
+            starts = mb.packed.cu_seqlens[:-1].tolist()
+            for r, s, n in zip(mb.rows, starts, mb.packed.lengths):
+                out[r, 1:n] = lp[s:s + n - 1]  # position t predicts token t+1
+        return out
+
+    # ---- training ----------------------------------------------------------------------------
+    def train_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """One PPO update on this DP rank's share of the batch (padded [n, L] trajectory tensors with
+        `advantages` [n] or [n, L]); returns stats averaged over the global batch."""
+        from megatron.core import parallel_state as mpu
+
+        c = self.cfg
+        if c.prox_logp == "recompute":
+            batch = {**batch, "prox_logprobs": self.compute_logprobs(batch)}
+        rows = self._rows(batch)
+        n = len(rows)
+        if n < c.ppo_n_minibatches:
+            raise ValueError(f"{n} sequences cannot form {c.ppo_n_minibatches} PPO mini-batches")
+        acc: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        for mini in range(c.ppo_n_minibatches):
+            idx = list(range(mini, n, c.ppo_n_minibatches))
+            mbs = self._micro_batches(rows, idx)
+            for m in self.ddp:
+                m.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            self._run(mbs, self._ppo_loss, forward_only=False)
+            ok, grad_norm, _ = self.optimizer.step()
+            if not ok:
+                raise RuntimeError("optimizer step failed (non-finite gradients?)")
+            self.scheduler.step(increment=1)
+            grad_norms.append(float(grad_norm or 0.0))
+            for k, v in self._stats.items():
+                acc[k] = acc.get(k, 0) + v
+            self._stats = {}
+        # global sums over DP (the last pipeline stage holds them; broadcast over PP)
+        keys = list(STAT_KEYS)  # only the last stage computed them; the others hold zeros until the broadcast
+        vec = torch.tensor([float(acc.get(k, 0.0)) for k in keys], device=_device())
+        if self.pp > 1:
+            group = mpu.get_pipeline_model_parallel_group()
+            dist.broadcast(vec, dist.get_global_rank(group, self.pp - 1), group=group)
+        if dist.is_initialized():
+            dist.all_reduce(vec, group=mpu.get_data_parallel_group())
+        sums = dict(zip(keys, vec.cpu().tolist()))
+        tokens = max(sums.get("n_tokens", 0.0), 1.0)
+        stats = {k: v / tokens for k, v in sums.items() if k != "n_tokens"}
+        stats.update(tokens=sums.get("n_tokens", 0.0), grad_norm=max(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
+        return stats
+
+    def _ppo_loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        from mega_async.trainer.logprobs import vocab_parallel_logprobs
+
+        c = self.cfg
+        dev = logits.device
+        logp, ent = vocab_parallel_logprobs(logits, mb.labels.to(dev), c.temperature, with_entropy=True)
+        behav, mask = mb.behav.to(dev), mb.loss_mask.to(dev)
+        if c.prox_logp in ("loglinear", "linear"):
+            prox = approximate_proximal_logprobs(behav, logp, mb.versions.to(dev), self.version, c.prox_logp)
+        elif c.prox_logp == "behavior":
+            prox = behav
+        else:
+            prox = mb.prox.to(dev)
+        loss, st = decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, eps_clip=c.eps_clip,
+                                      eps_clip_high=c.eps_clip_high, behav_imp_weight_cap=c.behav_imp_weight_cap,
+                                      dual_clip=c.dual_clip, denominator=1.0)  # a token sum
+        n = mask.sum()
+        with torch.no_grad():
+            contrib = {"loss": loss.detach(), "n_tokens": n, "entropy": (ent * mask).sum(),
+                       "staleness": ((self.version - mb.versions.to(dev)).clamp(min=0) * mask).sum(),
+                       **{k: st[k] * n for k in ("clip_frac", "imp_weight_capped_frac", "behav_imp_weight_mean",
+                                                 "approx_kl")}}
+            for k, v in contrib.items():
+                self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
+        return loss, n.to(torch.int), {}
+
+    def set_version(self, v: int) -> None:
+        self.version = v
+
+    def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from mega_async.bridge import export_hf_weights
+
+        return export_hf_weights(self.models)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
