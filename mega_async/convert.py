@@ -76,7 +76,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
         raise ConvertError(f"{src} has no *.safetensors weights")
     t0 = time.monotonic()
     models = build_model(src, allocation)
-    n = load_hf_weights(models, src)
+    n = load_hf_weights(models, src, progress=True)
     tmp = out.with_name(out.name + ".partial")
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -123,7 +123,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) 
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for k, m in zip(keys, models):
         m.load_state_dict(state[k], strict=False)
-    stats = save_hf_checkpoint(models, out_dir, src_dir=src / HF_SUBDIR)
+    stats = save_hf_checkpoint(models, out_dir, src_dir=src / HF_SUBDIR, progress=True)
     if stats["tensors"] and meta.get("hf_tensors") and stats["tensors"] != meta["hf_tensors"] and _rank() == 0:
         raise ConvertError(f"exported {stats['tensors']} tensors, the source had {meta['hf_tensors']}")
     return {**stats, "seconds": time.monotonic() - t0}

@@ -179,7 +179,7 @@ class HFBridge:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))
 
     # ---- load ----------------------------------------------------------------------------------
-    def load(self, models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike) -> int:
+    def load(self, models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike, progress: bool = False) -> int:
         """Every rank reads the HF tensors it needs and keeps its own TP/ETP shard. Returns tensors set."""
         from megatron.core import parallel_state as mpu
 
@@ -187,9 +187,15 @@ class HFBridge:
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
         etp, etp_rank = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
         n = 0
+        show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
         for model in models:
             sd = _unwrap(model).state_dict()
-            for local, param in sd.items():
+            items = sd.items()
+            if show:
+                from tqdm import tqdm
+
+                items = tqdm(list(items), desc="load HF tensors", unit="tensor")
+            for local, param in items:
                 if "_extra_state" in local or param is None:
                     continue
                 g = self.global_name(model, local)
@@ -336,9 +342,9 @@ def bridge_for(models: Sequence[torch.nn.Module]) -> HFBridge:
     return b
 
 
-def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike) -> int:
+def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike, progress: bool = False) -> int:
     """Load an HF safetensors directory into models built by `build_model` (any layout)."""
-    return bridge_for(models).load(models, hf_dir)
+    return bridge_for(models).load(models, hf_dir, progress=progress)
 
 
 def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -347,7 +353,7 @@ def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, 
 
 
 def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
-                       max_shard_bytes: int = 2 << 30) -> dict[str, int]:
+                       max_shard_bytes: int = 2 << 30, progress: bool = False) -> dict[str, int]:
     """Export to HF safetensors shards (+ index, config, tokenizer copied from `src_dir`); rank 0 writes.
 
     Written to a temporary directory and renamed at the end: an interrupted save leaves no partial checkpoint.
@@ -365,7 +371,12 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
     shard: dict[str, torch.Tensor] = {}
     shards: list[dict[str, torch.Tensor]] = []
     size = total = count = 0
-    for name, t in export_hf_weights(models):
+    tensors: Any = export_hf_weights(models)
+    if progress and rank0:
+        from tqdm import tqdm
+
+        tensors = tqdm(tensors, desc="export HF tensors", unit="tensor")
+    for name, t in tensors:
         if not rank0:
             continue
         nbytes = t.numel() * t.element_size()
