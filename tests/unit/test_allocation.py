@@ -52,3 +52,10 @@ def test_validate_against_model_names_both_numbers():
         validate_for_model(ParallelStrategy(pp=2, vpp=4), dense)
     with pytest.raises(AllocationError, match="has no experts"):
         validate_for_model(ParallelStrategy(dp=2, ep=2), dense)
+
+
+def test_engine_refuses_expert_tp_above_attention_tp():
+    from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
+
+    with pytest.raises(AllocationError, match="etp=2 larger than attention TP tp=1"):
+        MegatronTrainEngine("unused", "megatron:(attn:d2|ffn:t2)", EngineConfig())
