@@ -20,6 +20,11 @@ class PackedDotProductAttention(DotProductAttention):
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                    attention_bias=attention_bias)
+        from megatron.core import parallel_state as mpu
+
+        if mpu.get_context_parallel_world_size() > 1:
+            raise NotImplementedError("context parallelism with packed sequences needs Transformer Engine's THD "
+                                      "attention (GPU); the CPU packed attention has no ring attention")
         if packed_seq_params.qkv_format != "thd":
             raise ValueError(f"packed attention supports qkv_format='thd', got {packed_seq_params.qkv_format!r}")
         cu_q = packed_seq_params.cu_seqlens_q_padded
