@@ -121,11 +121,6 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.logging.root_dir) / self.experiment_name / self.trial_name
 
-    @property
-    def max_concurrent_rollouts(self) -> int:
-        r = self.rollout
-        return r.max_concurrent_rollouts or r.consumer_batch_size * (r.max_staleness + 1)
-
 
 def _one_line(err: OmegaConfBaseException) -> str:
     key = getattr(err, "full_key", None) or "<root>"

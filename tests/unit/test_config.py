@@ -14,7 +14,7 @@ def test_defaults_and_overrides():
     assert isinstance(cfg, RunConfig)
     assert cfg.rollout.max_staleness == 4 and cfg.trainer.lr == 3e-6
     assert cfg.inference.addresses == ["a:1", "b:2"]
-    assert cfg.max_concurrent_rollouts == cfg.rollout.consumer_batch_size * 5
+    assert cfg.rollout.max_concurrent_rollouts is None  # the executor then uses B * (eta + 1)
 
 
 def test_yaml_then_overrides(tmp_path):
