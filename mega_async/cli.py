@@ -42,6 +42,18 @@ def _cmd_init_weights(argv: list[str]) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from mega_async.loop import run_training
+
+    cfg = load_config(args.config, args.overrides)
+    _setup_logging(cfg.logging.level)
+    history = run_training(cfg)
+    first, last = history[0], history[-1]
+    print(f"training done: {len(history)} steps in {last['elapsed_s']:.1f}s; reward {first['reward_mean']:.3f} -> "
+          f"{last['reward_mean']:.3f}; weights version {last['version']} on the servers; run dir {cfg.run_dir}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mega-async", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -49,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", "-c", default=None, help="YAML run config (see configs/)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. rollout.max_staleness=4")
     p.set_defaults(fn=_cmd_rollout)
+    t = sub.add_parser("train", help="asynchronous RL training: rollout on inference servers, Megatron trainer")
+    t.add_argument("--config", "-c", default=None, help="YAML run config (see configs/)")
+    t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
+    t.set_defaults(fn=_cmd_train)
     sub.add_parser("serve", help="embedded SGLang-protocol server (see python -m mega_async.inference.server -h)",
                    add_help=False)
     sub.add_parser("init-weights", help="write deterministic random-init weights for a model card",

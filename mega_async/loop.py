@@ -1,10 +1,15 @@
-"""Drivers. `run_rollout`: the rollout layer on its own (no trainer yet):
-prepare_batch -> stats -> pause -> interrupt engine -> version += 1 -> resume, per step.
+"""Drivers.
+
+run_training (the RL loop): prepare_batch -> advantages -> train_batch (Megatron) -> export HF
+weights to the run directory -> pause rollout -> servers load them -> version += 1 -> resume.
+run_rollout: the rollout layer alone: prepare_batch -> stats -> the same weight step, reloading
+the model card (exercises interruption and the update path without a trainer).
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import logging
 import time
 from collections import Counter
@@ -51,7 +56,7 @@ class RolloutBackend:
     `inference.addresses`, or launch real SGLang servers; simulated: the latency simulator.
     """
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, weights_root: Any = None, cpu_share: float = 1.0):
         self.cfg = cfg
         self.launcher: Any = None
         self.tokenizer: Any = None
@@ -77,14 +82,16 @@ class RolloutBackend:
         addresses = list(inf.addresses)
         if not addresses:
             spec = ServerSpec(inf.backend, model, num_servers=inf.num_servers, api_key=inf.api_key,
-                              dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args)
+                              dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args,
+                              weights_root=str(weights_root) if weights_root else None,
+                              num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // inf.num_servers))
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
             addresses = self.launcher.start()
         self.engine = SGLangClient(addresses, api_key=inf.api_key, request_timeout=inf.request_timeout)
 
-    def weight_step(self, version: int) -> None:
-        """pause -> push weights -> version -> continue. No trainer yet: the servers reload the model card
-        from disk, which exercises the real update path; the simulator just interrupts."""
+    def weight_step(self, version: int, path: Any = None) -> None:
+        """pause -> servers load the HF directory `path` (default: the model card again) -> version ->
+        continue; the simulator just interrupts."""
         if self.cfg.inference.backend == "simulated":
             self.engine.pause_generation()
             try:
@@ -93,7 +100,7 @@ class RolloutBackend:
                 self.engine.continue_generation()
             return
         client = self.engine
-        path = str(Path(self.cfg.model.path).resolve())
+        path = str(Path(path or self.cfg.model.path).resolve())
         asyncio.run(client.update_weights(lambda: client.update_weights_from_disk(path, version), version))
 
     def close(self) -> None:
@@ -157,4 +164,100 @@ def _rollout_steps(cfg: RunConfig, backend: RolloutBackend) -> list[dict[str, fl
                 ex.set_version(step + 1)
             finally:
                 ex.resume()
+    return history
+
+
+def _weights_ready(cfg: RunConfig) -> None:
+    from mega_async.model_cards import has_weights, init_random_weights
+
+    if not has_weights(cfg.model.path):
+        logger.info("%s has no weights yet: writing a deterministic random init (seed %d)", cfg.model.path, cfg.seed)
+        init_random_weights(cfg.model.path, seed=cfg.seed)
+
+
+def run_training(cfg: RunConfig) -> list[dict[str, float]]:
+    """The RL loop on one trainer process (rank 0 also owns the rollout executor)."""
+    import shutil
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mega_async.algo.advantages import grpo_advantages
+    from mega_async.bridge import save_hf_checkpoint
+    from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
+    from mega_async.trainer.parallel import parse_allocation
+    from mega_async.types import concat_padded
+
+    alloc = parse_allocation(cfg.parallel.allocation)
+    if alloc.train.world_size != 1:
+        raise ValueError(f"parallel.allocation={cfg.parallel.allocation}: this driver runs one trainer rank "
+                         "(megatron:d1); multi-rank training runs through the engine under torchrun")
+    run_dir = cfg.run_dir
+    save_config(cfg, run_dir)
+    _weights_ready(cfg)
+    weights_dir = (run_dir / "weights").resolve()
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():  # trainer and servers share the host's cores: split them, never oversubscribe
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
+    engine = MegatronTrainEngine(cfg.model.path, alloc.train, EngineConfig.from_run_config(cfg))
+    backend = RolloutBackend(cfg, weights_root=weights_dir, cpu_share=0.5 if not torch.cuda.is_available() else 1.0)
+    a, r = cfg.algorithm, cfg.rollout
+    writer = SummaryWriter(str(run_dir / "tensorboard")) if cfg.logging.tensorboard else None
+    history: list[dict[str, float]] = []
+    try:
+        data = build_dataset(cfg, backend.vocab_size)
+        workflow = GroupWorkflow(
+            RLVRWorkflow(reward_for(cfg), tokenizer=backend.tokenizer, max_new_tokens=r.max_new_tokens,
+                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward_timeout=r.reward_timeout),
+            r.group_size)
+        flt = DynamicFilter() if r.dynamic_filter else None
+        t0 = time.monotonic()
+        with WorkflowExecutor.from_config(r, backend.engine, workflow, should_accept=flt) as ex, \
+                (run_dir / "metrics.jsonl").open("a") as mf:
+            for step in range(cfg.trainer.total_steps):
+                t_step = time.monotonic()
+                groups = ex.prepare_batch(data)
+                t_rollout = time.monotonic() - t_step
+                for g in groups:  # group-wise advantages (groups may have lost rejected members)
+                    method = a.adv_norm if a.adv_norm != "batch" else "none"
+                    g["advantages"] = grpo_advantages(g["rewards"], g["rewards"].numel(), method,
+                                                      reward_scale=a.reward_scale, reward_bias=a.reward_bias)
+                batch = concat_padded(groups)
+                if a.adv_norm == "batch":
+                    batch["advantages"] = grpo_advantages(batch["rewards"], 1, "batch", reward_scale=a.reward_scale,
+                                                          reward_bias=a.reward_bias)
+                train_stats = engine.train_batch(batch)
+                # weight step: export -> servers load it -> version += 1
+                version = step + 1
+                path = weights_dir / f"v{version}"
+                save_hf_checkpoint(engine.models, path, src_dir=cfg.model.path)
+                ex.pause()
+                try:
+                    backend.weight_step(version, path)
+                    ex.set_version(version)
+                finally:
+                    ex.resume()
+                engine.set_version(version)
+                for old in weights_dir.glob("v*"):  # keep the two newest versions
+                    if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                        shutil.rmtree(old, ignore_errors=True)
+                stat = {"step": step, "version": version, "reward_mean": float(batch["rewards"].mean()),
+                        "rollout_wait_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t_step, 3),
+                        "elapsed_s": round(time.monotonic() - t0, 3),
+                        **{f"train/{k}": v for k, v in train_stats.items()},
+                        **{f"executor/{k}": v for k, v in ex.stats.items()},
+                        **({f"filter/{k}": v for k, v in flt.stats.items()} if flt else {})}
+                history.append(stat)
+                mf.write(json.dumps(stat) + "\n")
+                mf.flush()
+                if writer is not None:
+                    for k, v in stat.items():
+                        if isinstance(v, (int, float)):
+                            writer.add_scalar(k, v, step)
+                logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs",
+                            step, stat["reward_mean"], train_stats.get("loss", 0.0), train_stats.get("tokens", 0),
+                            train_stats.get("grad_norm", 0.0), train_stats.get("staleness", 0.0), stat["step_s"])
+    finally:
+        backend.close()
+        if writer is not None:
+            writer.close()
     return history

@@ -54,6 +54,7 @@ class ServerSpec:
     moe_a2a_backend: Optional[str] = None
     dtype: Optional[str] = None
     seed: int = 0
+    num_threads: Optional[int] = None  # CPU threads per embedded server; default cores / num_servers
     extra_args: Sequence[str] = field(default_factory=list)
 
 
@@ -67,7 +68,7 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
         if spec.dtype:
             cmd += ["--dtype", spec.dtype]
         # CPU servers on one host share its cores; oversubscribed OpenMP threads spin against each other
-        cmd += ["--num-threads", str(max(1, (os.cpu_count() or 1) // spec.num_servers))]
+        cmd += ["--num-threads", str(spec.num_threads or max(1, (os.cpu_count() or 1) // spec.num_servers))]
     elif spec.backend == "sglang":
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),

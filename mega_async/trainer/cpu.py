@@ -239,6 +239,11 @@ def apply_cpu_patches() -> bool:
             setattr(cls, fn, type(raw)(_with_cuda_type_names(raw.__func__)))
         else:
             setattr(cls, fn, _with_cuda_type_names(raw))
+    # grad clipping asserts param.grad.type() == 'torch.cuda.FloatTensor'
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
     _APPLIED = True
     logger.info("Megatron-Core patched for CPU/gloo (%d modules see CPU devices)", len(_MODULES))
     return True
