@@ -66,6 +66,7 @@ class DataConfig:
     path: Optional[str] = None  # local jsonl/parquet file or directory
     split: str = "train"
     max_prompt_tokens: int = 256
+    synthetic_target: Optional[int] = None  # synthetic task: one target token for every prompt; None = random each
 
 
 @dataclass
@@ -202,6 +203,8 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.name == "jsonl" and not cfg.data.path:
         raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
+    if cfg.data.synthetic_target is not None and cfg.data.synthetic_target < 1:
+        raise ConfigError(f"data.synthetic_target={cfg.data.synthetic_target} must be a token id >= 1 (or null)")
     _positive("algorithm.eps_clip", a.eps_clip)
     if a.eps_clip_high is not None and a.eps_clip_high < a.eps_clip:
         raise ConfigError(f"algorithm.eps_clip_high={a.eps_clip_high} must be >= algorithm.eps_clip={a.eps_clip}")

@@ -30,7 +30,7 @@ logger = logging.getLogger("mega_async.loop")
 def build_dataset(cfg: RunConfig, vocab_size: int) -> list[dict[str, Any]]:
     d = cfg.data
     if d.name == "synthetic":
-        return synthetic_items(1024, vocab_size, seed=cfg.seed)
+        return synthetic_items(1024, vocab_size, seed=cfg.seed, target=d.synthetic_target)
     if d.name == "gsm8k":
         if not d.path:
             raise ValueError("data.name=gsm8k needs data.path (a GSM8K jsonl file or a directory with train.jsonl)")
@@ -210,6 +210,7 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
                          temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward_timeout=r.reward_timeout),
             r.group_size)
         flt = DynamicFilter() if r.dynamic_filter else None
+        seen = (0.0, 0)  # filter's running reward sum and count at the previous step
         t0 = time.monotonic()
         with WorkflowExecutor.from_config(r, backend.engine, workflow, should_accept=flt) as ex, \
                 (run_dir / "metrics.jsonl").open("a") as mf:
@@ -240,7 +241,13 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
                 for old in weights_dir.glob("v*"):  # keep the two newest versions
                     if old.is_dir() and old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
                         shutil.rmtree(old, ignore_errors=True)
-                stat = {"step": step, "version": version, "reward_mean": float(batch["rewards"].mean()),
+                reward_all = float(batch["rewards"].mean())
+                if flt is not None:  # the batch is filtered; the success rate is over every group generated
+                    d_sum, d_n = flt.reward_sum - seen[0], flt.reward_count - seen[1]
+                    reward_all = d_sum / d_n if d_n else reward_all
+                    seen = (flt.reward_sum, flt.reward_count)
+                stat = {"step": step, "version": version, "reward_mean": reward_all,
+                        "batch_reward_mean": float(batch["rewards"].mean()),
                         "rollout_wait_s": round(t_rollout, 3), "step_s": round(time.monotonic() - t_step, 3),
                         "elapsed_s": round(time.monotonic() - t0, 3),
                         **{f"train/{k}": v for k, v in train_stats.items()},

@@ -43,10 +43,15 @@ def gsm8k_items(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
     return [{"prompt": GSM8K_TEMPLATE.format(question=r["question"]), "answer": r["answer"]} for r in rows]
 
 
-def synthetic_items(n: int, vocab_size: int, prompt_len: int = 8, seed: int = 0) -> list[dict[str, Any]]:
-    """Random prompts; the task is to emit `target` (see reward.synthetic.target_token_reward)."""
+def synthetic_items(n: int, vocab_size: int, prompt_len: int = 8, seed: int = 0,
+                    target: int | None = None) -> list[dict[str, Any]]:
+    """Random prompts; the task is to emit `target` (see reward.synthetic.target_token_reward): one fixed
+    token for every prompt when given (quickly learnable), else a random one per prompt."""
+    if target is not None and not 0 < target < vocab_size:
+        raise ValueError(f"synthetic target {target} outside the vocabulary [1, {vocab_size})")
     rng = random.Random(seed)
     return [
-        {"input_ids": [rng.randrange(1, vocab_size) for _ in range(prompt_len)], "target": rng.randrange(1, vocab_size)}
+        {"input_ids": [rng.randrange(1, vocab_size) for _ in range(prompt_len)],
+         "target": target if target is not None else rng.randrange(1, vocab_size)}
         for _ in range(n)
     ]

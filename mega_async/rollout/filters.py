@@ -15,11 +15,15 @@ class DynamicFilter:
         self._lock = threading.Lock()
         self.kept = 0
         self.dropped = 0
+        self.reward_sum = 0.0  # over every group seen, kept or not: the policy's real success rate
+        self.reward_count = 0
 
     def __call__(self, traj: dict) -> bool:
         r = torch.as_tensor(traj[self.key], dtype=torch.float32).flatten()
         keep = r.numel() > 1 and bool((r.max() - r.min()) > self.atol)
         with self._lock:
+            self.reward_sum += float(r.sum())
+            self.reward_count += r.numel()
             if keep:
                 self.kept += 1
             else:
@@ -30,4 +34,5 @@ class DynamicFilter:
     def stats(self) -> dict[str, float]:
         with self._lock:
             total = self.kept + self.dropped
-            return {"kept": self.kept, "dropped": self.dropped, "drop_rate": self.dropped / total if total else 0.0}
+            return {"kept": self.kept, "dropped": self.dropped, "drop_rate": self.dropped / total if total else 0.0,
+                    "reward_sum": self.reward_sum, "reward_count": self.reward_count}
