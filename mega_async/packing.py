@@ -49,11 +49,6 @@ def _ffd(lengths: Sequence[int], capacity: int, min_groups: int) -> list[list[in
     return groups
 
 
-def micro_batch_count(lengths: Sequence[int], max_tokens_per_mb: int, pp_size: int) -> int:
-    """How many micro-batches this rank needs (the engine all-reduces the max over DP)."""
-    return len(allocate_micro_batches(lengths, max_tokens_per_mb, pp_size))
-
-
 def allocate_micro_batches(lengths: Sequence[int], max_tokens_per_mb: int, pp_size: int, dp_size: int = 1,
                            min_count: int = 1) -> list[list[int]]:
     """Pipeline-aware FFD: at least 2 x PP micro-batches and a multiple of PP when PP > 1.

@@ -332,9 +332,6 @@ def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     return out
 
 
-_BRIDGES: dict[int, HFBridge] = {}
-
-
 def bridge_for(models: Sequence[torch.nn.Module]) -> HFBridge:
     b = getattr(_unwrap(models[0]), "_mega_async_bridge", None)
     if b is None:

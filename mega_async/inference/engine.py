@@ -36,7 +36,6 @@ class GenRequest:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     finish_reason: Optional[dict] = None
-    prompt_processed: bool = False
     abort_requested: bool = False
     created: float = field(default_factory=time.monotonic)
     on_finish: Optional[Callable[["GenRequest"], None]] = None
@@ -208,7 +207,6 @@ class GenerationEngine:
         toks, lps = self._sample(out.logits[:, -1].float(), reqs)
         keep = []
         for i, r in enumerate(reqs):
-            r.prompt_processed = True
             self._append(r, int(toks[i]), float(lps[i]))
             if not self._check_finished(r):
                 keep.append(i)

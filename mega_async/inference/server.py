@@ -113,7 +113,6 @@ class EmbeddedServer:
         self._lock = RWLock()
         self._groups: dict[str, WeightGroup] = {}
         self._ready = False
-        self._loop: Optional[asyncio.AbstractEventLoop] = None
 
     # ---- app -------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -140,7 +139,6 @@ class EmbeddedServer:
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
-        self._loop = asyncio.get_running_loop()
         self._ready = True
 
     async def _on_cleanup(self, app: web.Application) -> None:

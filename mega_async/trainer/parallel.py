@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 INFERENCE_BACKENDS = ("sglang", "embedded", "vllm")
@@ -48,7 +48,7 @@ class ParallelStrategy:
         s = f"d{self.dp}p{self.pp}t{self.tp}"
         s += f"c{self.cp}" if self.cp > 1 else ""
         s += f"e{self.ep}" if self.ep > 1 else ""
-        s += f" etp{self.etp}" if self.etp not in (1, self.tp) or (self.ep == 1 and self.etp != self.tp) else ""
+        s += f" etp{self.etp}" if self.etp != (1 if self.ep > 1 else self.tp) else ""  # only when not the default
         return s + (f" vpp{self.vpp}" if self.vpp > 1 else "")
 
 
@@ -272,6 +272,3 @@ def destroy_parallel_state() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
 
-
-def with_vpp(s: ParallelStrategy, vpp: int) -> ParallelStrategy:
-    return replace(s, vpp=vpp)
