@@ -10,6 +10,7 @@ a result consumed at version s has head version >= s - eta.
 """
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -57,6 +58,9 @@ class WorkflowExecutor:
         self._ids = itertools.count()
         self._running_heads: dict[int, int] = {}  # task id -> head version, for admitted episodes
         self._done: list[tuple[int, int, dict]] = []  # heap of (head version, task id, result)
+        # per-version counts (a handful of live versions) make the readiness check O(versions), not O(B)
+        self._running_by_head: collections.Counter[int] = collections.Counter()
+        self._done_by_head: collections.Counter[int] = collections.Counter()
         self._counts = {"accepted": 0, "rejected": 0, "failed": 0, "filtered": 0, "consumed": 0}
         self._data_iters: dict[int, tuple[Any, Iterator]] = {}
 
@@ -92,7 +96,7 @@ class WorkflowExecutor:
         wf = workflow or self.workflow
         if wf is None:
             raise ValueError("no workflow: pass one to submit() or to WorkflowExecutor(...)")
-        pending = self.staleness.stats["enqueued"]
+        pending = self.staleness.enqueued
         if pending >= self.max_pending:
             raise ExecutorQueueFull(
                 f"{pending} items already wait for admission (cap (max_staleness+1)*B = {self.max_pending}); "
@@ -104,6 +108,7 @@ class WorkflowExecutor:
         async def episode(head_version: int) -> Any:
             with self._cond:
                 self._running_heads[tid] = head_version
+                self._running_by_head[head_version] += 1
             return await wf.arun_episode(self.engine, data)
 
         def on_done(task_id: int, result: Any, exc: Optional[BaseException]) -> None:
@@ -120,6 +125,7 @@ class WorkflowExecutor:
     def _on_done(self, tid: int, data: Any, result: Any, exc: Optional[BaseException]) -> None:
         with self._cond:
             head = self._running_heads.pop(tid)
+            self._dec(self._running_by_head, head)
             verdict = "accepted"
             if exc is not None:
                 verdict = "failed"
@@ -137,6 +143,7 @@ class WorkflowExecutor:
             if verdict == "accepted":
                 self.staleness.on_accepted()
                 heapq.heappush(self._done, (head, tid, result))
+                self._done_by_head[head] += 1
             else:
                 self.staleness.on_rejected()
             self._cond.notify_all()
@@ -146,15 +153,25 @@ class WorkflowExecutor:
         """`count` results can go out: none of them is newer than a still-running episode."""
         if len(self._done) < count:
             return False
-        oldest_running = min(self._running_heads.values(), default=None)
-        if oldest_running is None:
+        if not self._running_by_head:
             return True
-        return heapq.nsmallest(count, self._done)[-1][0] <= oldest_running
+        oldest_running = min(self._running_by_head)
+        return sum(n for h, n in self._done_by_head.items() if h <= oldest_running) >= count
 
     def _take(self, count: int) -> list[dict]:
-        out = [heapq.heappop(self._done)[2] for _ in range(count)]
+        out = []
+        for _ in range(count):
+            head, _, result = heapq.heappop(self._done)
+            self._dec(self._done_by_head, head)
+            out.append(result)
         self._counts["consumed"] += count
         return out
+
+    @staticmethod
+    def _dec(counter: collections.Counter, key: int) -> None:
+        counter[key] -= 1
+        if counter[key] <= 0:
+            del counter[key]
 
     def _check_alive(self) -> None:
         self._runner.check()
@@ -218,7 +235,7 @@ class WorkflowExecutor:
         key = id(dataloader)
         if key not in self._data_iters or self._data_iters[key][0] is not dataloader:
             self._data_iters[key] = (dataloader, iter(dataloader))
-        while self.staleness.stats["enqueued"] < self.max_pending:
+        while self.staleness.enqueued < self.max_pending:
             it = self._data_iters[key][1]
             try:
                 item = next(it)

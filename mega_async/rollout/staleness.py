@@ -54,6 +54,12 @@ class StalenessManager:
             self._version = v
             self._stat.accepted = v * self.consumer_batch_size
 
+    @property
+    def enqueued(self) -> int:
+        """Items waiting for admission (cheap: read on every submit)."""
+        with self._lock:
+            return self._stat.enqueued
+
     def get_capacity(self) -> int:
         with self._lock:
             return self._capacity_locked()
