@@ -5,6 +5,7 @@ import math
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -36,3 +37,15 @@ def test_tiny_training_run(tmp_path):
     # the servers were stopped with the run
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(model) not in ps
+
+
+@pytest.mark.slow
+def test_tiny_run_learns_the_synthetic_task(tmp_path):
+    """The README's main job, 20 steps: the success rate over all generated groups must rise clearly
+    (measured 0.017 -> 0.46; the threshold leaves room for asynchronous batch composition)."""
+    model = init_random_weights(TINY_MOE, tmp_path / "model", seed=0)
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [f"logging.root_dir={tmp_path / 'runs'}", f"model.path={model}"])
+    history = run_training(cfg)
+    first = sum(h["reward_mean"] for h in history[:3]) / 3
+    last = sum(h["reward_mean"] for h in history[-5:]) / 5
+    assert last > 0.15 and last > 3 * first, (first, last)
