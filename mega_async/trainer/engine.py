@@ -77,10 +77,13 @@ class MegatronTrainEngine:
 
         strategy = as_strategy(allocation)
         if strategy.etp > strategy.tp:
-            # measured: at tp=1, etp=2 the forward and HF export are exact but expert-weight updates are
-            # wrong (about 100x); refuse rather than train silently wrong until that is fixed
+            # Megatron-Core 0.16: with ep=1 expert weights join the dense gradient buffer and are reduced
+            # over DP ranks that hold different ETP shards; with ep>1 the dispatcher all-gathers tokens over
+            # ETP assuming equal (sequence-parallel) splits, which variable-length packed batches are not.
+            # Forward and HF export are exact at such layouts; training is refused rather than wrong.
             raise AllocationError(f"training with expert TP etp={strategy.etp} larger than attention TP tp={strategy.tp} "
-                                  "is not supported yet; use etp <= tp (e.g. megatron:(attn:t2|ffn:t2))")
+                                  "is not supported by Megatron-Core 0.16 with packed batches; use etp <= tp "
+                                  "(e.g. megatron:(attn:t2|ffn:t1e2))")
         self.cfg = cfg
         on_gpu = torch.cuda.is_available()
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
