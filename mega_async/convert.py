@@ -66,7 +66,7 @@ def _copy_model_files(src: Path, dst: Path) -> None:
 def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
-    from mega_async.bridge import load_hf_weights
+    from mega_async.bridge import _SafetensorsDir, load_hf_weights
     from mega_async.trainer.model import build_model
 
     src, out = Path(hf_dir), Path(out_dir)
@@ -85,7 +85,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
     dist_checkpointing.save(_sharded_state_dict(models), str(tmp))
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    count = sum(1 for _ in _hf_names(src))
+    count = len(_SafetensorsDir(src).names())
     if _rank() == 0:
         _copy_model_files(src, tmp / HF_SUBDIR)
         (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,
@@ -95,14 +95,6 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
         os.replace(tmp, out)
     _barrier()
     return {"tensors": count, "bytes": nbytes, "seconds": time.monotonic() - t0}
-
-
-def _hf_names(d: Path) -> Any:
-    from safetensors import safe_open
-
-    for f in sorted(d.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as sf:
-            yield from sf.keys()
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) -> dict[str, Any]:

@@ -119,15 +119,20 @@ def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
         backend.close()
 
 
-def _rollout_steps(cfg: RunConfig, backend: RolloutBackend) -> list[dict[str, float]]:
-    run_dir, r = cfg.run_dir, cfg.rollout
-    data = build_dataset(cfg, backend.vocab_size)
+def rollout_parts(cfg: RunConfig, backend: RolloutBackend) -> tuple[list, GroupWorkflow, DynamicFilter | None]:
+    """Dataset, GRPO group workflow and dynamic filter for a run (shared by both drivers)."""
+    r = cfg.rollout
     workflow = GroupWorkflow(
         RLVRWorkflow(reward_for(cfg), tokenizer=backend.tokenizer, max_new_tokens=r.max_new_tokens,
                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward_timeout=r.reward_timeout),
         r.group_size,
     )
-    flt = DynamicFilter() if r.dynamic_filter else None
+    return build_dataset(cfg, backend.vocab_size), workflow, DynamicFilter() if r.dynamic_filter else None
+
+
+def _rollout_steps(cfg: RunConfig, backend: RolloutBackend) -> list[dict[str, float]]:
+    run_dir, r = cfg.run_dir, cfg.rollout
+    data, workflow, flt = rollout_parts(cfg, backend)
     history = []
     metrics_path = run_dir / "metrics.jsonl"
     with WorkflowExecutor.from_config(r, backend.engine, workflow, should_accept=flt) as ex, \
@@ -204,12 +209,7 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
     writer = SummaryWriter(str(run_dir / "tensorboard")) if cfg.logging.tensorboard else None
     history: list[dict[str, float]] = []
     try:
-        data = build_dataset(cfg, backend.vocab_size)
-        workflow = GroupWorkflow(
-            RLVRWorkflow(reward_for(cfg), tokenizer=backend.tokenizer, max_new_tokens=r.max_new_tokens,
-                         temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward_timeout=r.reward_timeout),
-            r.group_size)
-        flt = DynamicFilter() if r.dynamic_filter else None
+        data, workflow, flt = rollout_parts(cfg, backend)
         seen = (0.0, 0)  # filter's running reward sum and count at the previous step
         t0 = time.monotonic()
         with WorkflowExecutor.from_config(r, backend.engine, workflow, should_accept=flt) as ex, \
