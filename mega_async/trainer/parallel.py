@@ -223,15 +223,19 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from mega_async.inference.launch import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / Slurm
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        return
+    if world != 1:
+        raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are unset: launch with torchrun")
+    # a plain process: a private 1-rank group; the environment is left untouched, so child processes
+    # (servers, converters) never inherit a port that this process holds
+    from mega_async.inference.launch import free_port
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def init_parallel_state(s: ParallelStrategy, backend: Optional[str] = None, seed: int = 1234) -> None:
