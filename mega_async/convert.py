@@ -144,6 +144,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConvertError, AllocationError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)
         return 2
+    from mega_async.trainer.parallel import destroy_parallel_state
+
+    destroy_parallel_state()  # every rank got here: leave together
     if _rank() == 0:
         print(f"converted {args.direction}: {stats['tensors']} tensors, {stats['bytes'] / 2**20:.1f} MiB, "
               f"{stats['seconds']:.1f} s -> {args.out}")

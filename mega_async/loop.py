@@ -189,7 +189,7 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
     from mega_async.algo.advantages import grpo_advantages
     from mega_async.bridge import save_hf_checkpoint
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
-    from mega_async.trainer.parallel import parse_allocation
+    from mega_async.trainer.parallel import destroy_parallel_state, parse_allocation
     from mega_async.types import concat_padded
 
     alloc = parse_allocation(cfg.parallel.allocation)
@@ -267,4 +267,5 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
         backend.close()
         if writer is not None:
             writer.close()
+        destroy_parallel_state()
     return history

@@ -268,9 +268,15 @@ def init_parallel_state(s: ParallelStrategy, backend: Optional[str] = None, seed
 
 
 def destroy_parallel_state() -> None:
+    """Tear down Megatron's groups and the default process group, all ranks together.
+
+    Call it before a torchrun worker exits: a rank that leaves while gloo's threads are still alive
+    aborts at interpreter shutdown ("terminate called without an active exception", SIGABRT)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from mega_async.packing import redistribute_groups
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
+from mega_async.trainer.parallel import destroy_parallel_state
 
 GROUP = 2
 
@@ -40,6 +41,7 @@ def synthetic_batch(n_groups: int = 6, seed: int = 0) -> dict[str, torch.Tensor]
     return b
 
 
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -68,8 +70,7 @@ def main() -> None:
         save_file(weights, f"{args.out}/stepped.safetensors")
         with open(f"{args.out}/stats.json", "w") as f:
             json.dump(stats, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_parallel_state()
 
 
 if __name__ == "__main__":

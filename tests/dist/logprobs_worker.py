@@ -17,3 +17,6 @@ fr = full.clone().requires_grad_(True); ra = torch.log_softmax(fr / 0.7, -1)
 (ra.gather(1, labels[:, None]).sum() - (ra.exp() * ra).sum()).backward()
 assert max((lp - ref).abs().max().item(), (ent - ref_ent).abs().max().item(), (x.grad - fr.grad.chunk(tp, -1)[r]).abs().max().item()) < 1e-5
 print("ok", r, (lp - ref).abs().max().item(), (ent - ref_ent).abs().max().item(), (x.grad - fr.grad.chunk(tp, -1)[r]).abs().max().item())
+
+from mega_async.trainer.parallel import destroy_parallel_state
+destroy_parallel_state()

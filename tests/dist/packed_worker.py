@@ -25,3 +25,6 @@ with torch.no_grad():
         worst = max(worst, (out[a:a+n] - ref[:n]).abs().max().item())
 assert worst < 1e-5, worst
 print("ok", dist.get_rank(), "packed vs per-seq", worst)
+
+from mega_async.trainer.parallel import destroy_parallel_state
+destroy_parallel_state()

@@ -12,12 +12,14 @@ import torch.distributed as dist
 
 from mega_async.bridge import export_hf_weights
 from mega_async.trainer.model import build_model
+from mega_async.trainer.parallel import destroy_parallel_state
 
 
 def batch(n_seq: int = 4, seq: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, 1000, (n_seq, seq + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
 
 
 def main() -> None:
@@ -110,8 +112,7 @@ def main() -> None:
     stepped = {k: v.contiguous() for k, v in export_hf_weights(models)}
     if rank == 0:
         save_file(stepped, f"{args.out}/stepped.safetensors")
-    dist.barrier()
-    dist.destroy_process_group()
+    destroy_parallel_state()
 
 
 if __name__ == "__main__":
