@@ -1,6 +1,6 @@
 """Megatron train engine: packed 1-D micro-batches, pipeline-aware FFD, decoupled PPO.
 
-train_batch: [recompute or approximate prox logp] -> split into PPO mini-batches -> per mini-batch:
+train_batch: [recompute or approximate prox logp] [reference logp when kl_coef > 0] -> split into PPO mini-batches -> per mini-batch:
 FFD micro-batches (same count on every DP rank) -> Megatron forward-backward schedule -> one
 optimizer step (distributed optimizer, grad clipping) -> LR schedule step.
 Losses are token sums; Megatron divides gradients by the global token count (all micro-batches,
@@ -15,13 +15,13 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss
+from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty
 from mega_async.packing import Packed, allocate_micro_batches, pack, seq_alignment
 
 logger = logging.getLogger("mega_async.trainer.engine")
 
 STAT_KEYS = ("loss", "n_tokens", "entropy", "staleness", "clip_frac", "imp_weight_capped_frac",
-             "behav_imp_weight_mean", "approx_kl")
+             "behav_imp_weight_mean", "approx_kl", "kl_ref")
 
 
 @dataclass
@@ -42,6 +42,8 @@ class EngineConfig:
     dual_clip: Optional[float] = None
     behav_imp_weight_cap: Optional[float] = 5.0
     prox_logp: str = "recompute"  # recompute | loglinear | linear | behavior
+    kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || frozen initial policy) per token to the loss
+    kl_estimator: str = "k3"  # k1 | k2 | k3
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
@@ -50,7 +52,8 @@ class EngineConfig:
                    total_steps=t.total_steps, lr_decay=t.lr_decay, grad_clip=t.grad_clip,
                    max_tokens_per_mb=t.max_tokens_per_mb, ppo_n_minibatches=t.ppo_n_minibatches,
                    temperature=cfg.rollout.temperature or 1.0, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
-                   dual_clip=a.dual_clip, behav_imp_weight_cap=a.behav_imp_weight_cap, prox_logp=a.prox_logp)
+                   dual_clip=a.dual_clip, behav_imp_weight_cap=a.behav_imp_weight_cap, prox_logp=a.prox_logp,
+                   kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
 
 
 @dataclass
@@ -60,6 +63,7 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [T] 1 where the next token is a trained output token
     behav: torch.Tensor  # [T] behaviour logprob of the next token
     prox: Optional[torch.Tensor]
+    ref: Optional[torch.Tensor]  # reference-policy logprob of the next token (kl_coef > 0)
     advantages: torch.Tensor  # [T]
     versions: torch.Tensor  # [T]
     rows: list[int]
@@ -89,6 +93,13 @@ class MegatronTrainEngine:
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
         self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
         self.bridge = self.models[0]._mega_async_bridge
+        # the reference policy for the KL penalty: a frozen copy of the initial weights, same layout
+        self.ref_models: list[torch.nn.Module] = []
+        if cfg.kl_coef > 0:
+            self.ref_models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
+            for m in self.ref_models:
+                m.eval()
+                m.requires_grad_(False)
         ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
         self.ddp = [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m) for m in self.models]
         self.optimizer = get_megatron_optimizer(
@@ -123,6 +134,7 @@ class MegatronTrainEngine:
                 "versions": shift(batch["versions"], -1),
                 "adv": (torch.full((L,), float(a)) if a is not None else shift(adv)).float(),
                 "prox": shift(batch["prox_logprobs"]) if "prox_logprobs" in batch else None,
+                "ref": shift(batch["ref_logprobs"]) if "ref_logprobs" in batch else None,
             })
         return out
 
@@ -149,12 +161,14 @@ class MegatronTrainEngine:
                 return torch.cat(parts)
 
             mbs.append(MicroBatch(p, cat("labels").long(), cat("mask"), cat("behav"),
-                                  cat("prox") if sel[0]["prox"] is not None else None, cat("adv"),
+                                  cat("prox") if sel[0]["prox"] is not None else None,
+                                  cat("ref") if sel[0]["ref"] is not None else None, cat("adv"),
                                   cat("versions", -1).long(), [idx[j] for j in g]))
         return mbs
 
     # ---- forward plumbing -------------------------------------------------------------------
-    def _run(self, mbs: list[MicroBatch], loss_fn: Any, forward_only: bool) -> list[Any]:
+    def _run(self, mbs: list[MicroBatch], loss_fn: Any, forward_only: bool,
+             models: Optional[list[torch.nn.Module]] = None) -> list[Any]:
         from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -168,25 +182,27 @@ class MegatronTrainEngine:
             return out, lambda logits, non_loss_data=False, mb=mb: loss_fn(logits[0], mb)
 
         max_t = max(mb.packed.tokens.numel() for mb in mbs)
-        models = self.models if forward_only else self.ddp
+        models = models or (self.models if forward_only else self.ddp)
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=[iter(mbs) for _ in models], model=models,
             num_microbatches=len(mbs), seq_length=max_t, micro_batch_size=1, forward_only=forward_only,
             collect_non_loss_data=forward_only)
 
     @torch.no_grad()
-    def _logprobs(self, mbs: list[MicroBatch]) -> list[torch.Tensor]:
+    def _logprobs(self, mbs: list[MicroBatch], models: Optional[list[torch.nn.Module]] = None) -> list[torch.Tensor]:
         """Per-position logprob of the next token for each micro-batch (broadcast from the last stage)."""
         from megatron.core import parallel_state as mpu
 
         from mega_async.trainer.logprobs import vocab_parallel_logprobs
 
-        for m in self.models:
+        models = models or self.models
+        modes = [m.training for m in models]
+        for m in models:
             m.eval()
         outs = self._run(mbs, lambda logits, mb: vocab_parallel_logprobs(
-            logits, mb.labels.to(_device()), self.cfg.temperature)[0].float().cpu(), forward_only=True)
-        for m in self.models:
-            m.train()
+            logits, mb.labels.to(_device()), self.cfg.temperature)[0].float().cpu(), forward_only=True, models=models)
+        for m, mode in zip(models, modes):
+            m.train(mode)
         res = []
         last = mpu.is_pipeline_last_stage(ignore_virtual=True)
         group = mpu.get_pipeline_model_parallel_group()
@@ -200,12 +216,15 @@ class MegatronTrainEngine:
             res.append(t)
         return res
 
-    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Current-policy logprob of every token ([n, L], 0 on the first), without grad (the proximal policy)."""
+    def compute_logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
+        """Logprob of every token ([n, L], 0 on the first), without grad: the current policy (the proximal
+        policy), or with `reference=True` the frozen reference policy of the KL penalty."""
+        if reference and not self.ref_models:
+            raise ValueError("no reference model: it is built only when kl_coef > 0 (algorithm.kl_coef)")
         rows = self._rows(batch)
         out = torch.zeros_like(batch["logprobs"], dtype=torch.float32)
         mbs = self._micro_batches(rows, list(range(len(rows))))
-        for mb, lp in zip(mbs, self._logprobs(mbs)):
+        for mb, lp in zip(mbs, self._logprobs(mbs, self.ref_models if reference else None)):
             starts = mb.packed.cu_seqlens[:-1].tolist()
             for r, s, n in zip(mb.rows, starts, mb.packed.lengths):
                 out[r, 1:n] = lp[s:s + n - 1]  # position t predicts token t+1
@@ -220,6 +239,8 @@ class MegatronTrainEngine:
         c = self.cfg
         if c.prox_logp == "recompute":
             batch = {**batch, "prox_logprobs": self.compute_logprobs(batch)}
+        if c.kl_coef > 0:
+            batch = {**batch, "ref_logprobs": self.compute_logprobs(batch, reference=True)}
         rows = self._rows(batch)
         n = len(rows)
         if n < c.ppo_n_minibatches:
@@ -272,8 +293,14 @@ class MegatronTrainEngine:
                                       eps_clip_high=c.eps_clip_high, behav_imp_weight_cap=c.behav_imp_weight_cap,
                                       dual_clip=c.dual_clip, denominator=1.0)  # a token sum
         n = mask.sum()
+        kl_sum = torch.zeros((), device=dev)
+        if c.kl_coef > 0:
+            # outside the mask the reference is set equal to the policy: KL 0 there, and no inf x 0 from k3's exp
+            ref = torch.where(mask.bool(), mb.ref.to(dev), logp.detach())
+            kl_sum = (kl_penalty(logp, ref, c.kl_estimator) * mask).sum()
+            loss = loss + c.kl_coef * kl_sum
         with torch.no_grad():
-            contrib = {"loss": loss.detach(), "n_tokens": n, "entropy": (ent * mask).sum(),
+            contrib = {"loss": loss.detach(), "n_tokens": n, "entropy": (ent * mask).sum(), "kl_ref": kl_sum.detach(),
                        "staleness": ((self.version - mb.versions.to(dev)).clamp(min=0) * mask).sum(),
                        **{k: st[k] * n for k in ("clip_frac", "imp_weight_capped_frac", "behav_imp_weight_mean",
                                                  "approx_kl")}}

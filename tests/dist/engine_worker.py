@@ -8,6 +8,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from mega_async.algo.loss import kl_penalty
 from mega_async.packing import redistribute_groups
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
@@ -49,12 +50,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-tokens-per-mb", type=int, default=4096)
     ap.add_argument("--prox", default="recompute")
+    ap.add_argument("--kl-coef", type=float, default=0.0)
+    ap.add_argument("--kl-estimator", default="k3")
+    ap.add_argument("--steps", type=int, default=1, help="train_batch calls on the same batch")
     args = ap.parse_args()
     from megatron.core import parallel_state as mpu
     from safetensors.torch import save_file
 
     cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=args.max_tokens_per_mb,
-                       prox_logp=args.prox, behav_imp_weight_cap=5.0, eps_clip=0.2)
+                       prox_logp=args.prox, behav_imp_weight_cap=5.0, eps_clip=0.2, kl_coef=args.kl_coef,
+                       kl_estimator=args.kl_estimator)
     eng = MegatronTrainEngine(args.model, args.layout, cfg)
     eng.set_version(2)
     batch = synthetic_batch()
@@ -63,7 +68,16 @@ def main() -> None:
     mine = redistribute_groups(tokens, mpu.get_data_parallel_world_size())[mpu.get_data_parallel_rank()]
     rows = [g * GROUP + j for g in mine for j in range(GROUP)]
     local = {k: v[rows] for k, v in batch.items()}
-    stats = eng.train_batch(local)
+    history = []
+    for step in range(args.steps):
+        if args.kl_coef > 0 and step == args.steps - 1:  # the KL the last step must report, from outside
+            cur, ref = eng.compute_logprobs(batch), eng.compute_logprobs(batch, reference=True)
+            m = batch["loss_mask"].bool()
+            expected = (kl_penalty(cur, ref, args.kl_estimator)[m]).mean().item()
+        history.append(eng.train_batch(local))
+    stats = {**history[-1], "history": history}
+    if args.kl_coef > 0:
+        stats["expected_kl_ref"] = expected
     weights = {k: v.contiguous() for k, v in eng.export_hf_weights()}
     if dist.get_rank() == 0:
         os.makedirs(args.out, exist_ok=True)

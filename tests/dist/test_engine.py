@@ -65,6 +65,42 @@ def test_ppo_step_parity(moe, reference, tmp_path, layout, nproc, extra):
     assert s["loss"] == pytest.approx(ref_s["loss"], abs=1e-6) and s["tokens"] == ref_s["tokens"]
 
 
+KL_ARGS = ("--kl-coef", "0.5", "--kl-estimator", "k3", "--steps", "2")
+
+
+@pytest.fixture(scope="module")
+def kl_reference(moe, tmp_path_factory):
+    return train(moe, "megatron:d1", 1, tmp_path_factory.mktemp("klref"), *KL_ARGS)
+
+
+def test_kl_to_reference_is_in_the_loss(kl_reference, reference):
+    """Two steps with kl_coef > 0: the reference is the initial policy (KL 0 at step 1); at step 2 the reported
+    KL equals k3 computed outside the engine from compute_logprobs of the policy and of the reference."""
+    _, s = kl_reference
+    first, second = s["history"]
+    assert first["kl_ref"] == pytest.approx(0.0, abs=1e-7)
+    assert first["loss"] == pytest.approx(reference[1]["loss"], abs=1e-6)  # k3 adds nothing where policy = ref
+    assert second["kl_ref"] > 1e-5
+    assert second["kl_ref"] == pytest.approx(s["expected_kl_ref"], rel=1e-4)
+
+
+def test_kl_penalty_changes_the_update(moe, kl_reference, tmp_path):
+    """The same two steps without the penalty end elsewhere: the KL term reaches the gradients."""
+    w_kl, s_kl = kl_reference
+    w, s = train(moe, "megatron:d1", 1, tmp_path, "--steps", "2")
+    assert s["history"][0]["loss"] == pytest.approx(s_kl["history"][0]["loss"], abs=1e-7)
+    assert s["history"][1]["kl_ref"] == 0.0  # not computed without the penalty
+    assert max((w[k] - w_kl[k]).abs().max().item() for k in w) > 1e-4
+
+
+def test_kl_step_parity_pp2(moe, kl_reference, tmp_path):
+    """Reference logprobs broadcast across pipeline stages: two KL-penalised steps at PP2 equal one rank's."""
+    ref_w, ref_s = kl_reference
+    w, s = train(moe, "megatron:p2", 2, tmp_path, *KL_ARGS)
+    assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
+    assert s["kl_ref"] == pytest.approx(ref_s["kl_ref"], rel=1e-4) and s["loss"] == pytest.approx(ref_s["loss"], abs=1e-6)
+
+
 @pytest.mark.parametrize("layout, nproc", [("megatron:d1", 1), ("megatron:t2", 2)])
 def test_vocab_parallel_logprobs(layout, nproc):
     torchrun("logprobs_worker.py", nproc, layout)
