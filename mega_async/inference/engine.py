@@ -279,7 +279,10 @@ class GenerationEngine:
         if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
             reason = {"type": "stop", "matched": tok}
         elif r.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids[-8:])
+            # every token decodes to at least one byte, so the last (longest stop in bytes + 1) tokens hold
+            # any match that ends in the newest token (an earlier match would have stopped earlier)
+            window = max(len(s.encode("utf-8")) for s in r.stop) + 1
+            text = self.tokenizer.decode(r.output_ids[-window:])
             hit = next((s for s in r.stop if s in text), None)
             if hit is not None:
                 reason = {"type": "stop", "matched": hit}

@@ -45,6 +45,22 @@ def test_greedy_is_deterministic_and_argmax(server, hf_models):
     assert bool(greedy_ok(hf_models["v0"], PROMPT, outs[0]).all())
 
 
+def test_stop_string_spanning_many_tokens(server):
+    """A stop string is matched in the decoded output however many tokens it spans (here 12): generation
+    ends at the first token whose decoded prefix contains it, and the finish reason names the string."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(server.spec.model_path)
+    addr = server.addresses[0]
+    free = gen(addr, sampling_params={"max_new_tokens": 40, "temperature": 0, "ignore_eos": True})[1]["output_ids"]
+    stop = tok.decode(free[20:32])
+    assert len(stop) >= 12
+    expected = next(j for j in range(len(free)) if stop in tok.decode(free[:j + 1])) + 1
+    st, out = gen(addr, sampling_params={"max_new_tokens": 40, "temperature": 0, "ignore_eos": True, "stop": [stop]})
+    assert st == 200 and out["output_ids"] == free[:expected]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+
+
 def test_stop_token_kept_and_text_batch(server):
     addr = server.addresses[0]
     first = gen(addr, sampling_params={"max_new_tokens": 5, "temperature": 0})[1]["output_ids"]
