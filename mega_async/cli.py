@@ -83,10 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["init-weights"]:
         return _cmd_init_weights(argv[1:])
     args = parser.parse_args(argv)
+    from mega_async.trainer.parallel import AllocationError
+
     try:
         return args.fn(args)
-    except ConfigError as e:
-        print(e, file=sys.stderr)
+    except (ConfigError, AllocationError) as e:  # bad input: one line, no traceback
+        print(f"mega-async {args.command}: {e}", file=sys.stderr)
         return 2
 
 

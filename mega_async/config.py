@@ -236,6 +236,12 @@ def validate(cfg: RunConfig) -> None:
             f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group"
         )
     _positive("trainer.save_interval", t.save_interval, allow_zero=True)
+    from mega_async.trainer.parallel import AllocationError, parse_allocation  # pure Python, no torch
+
+    try:
+        parse_allocation(cfg.parallel.allocation)
+    except AllocationError as e:
+        raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: {str(e).removeprefix('AllocationError: ')}") from None
     _choice("logging.level", cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
     for name in ("experiment_name", "trial_name"):
         v = getattr(cfg, name)

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from mega_async.config import RunConfig, save_config
+from mega_async.config import ConfigError, RunConfig, save_config
 from mega_async.data import gsm8k_items, load_rows, synthetic_items
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
@@ -194,8 +194,8 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
 
     alloc = parse_allocation(cfg.parallel.allocation)
     if alloc.train.world_size != 1:
-        raise ValueError(f"parallel.allocation={cfg.parallel.allocation}: this driver runs one trainer rank "
-                         "(megatron:d1); multi-rank training runs through the engine under torchrun")
+        raise ConfigError(f"parallel.allocation={cfg.parallel.allocation}: this driver runs one trainer rank "
+                          "(megatron:d1); multi-rank training runs through the engine under torchrun")
     run_dir = cfg.run_dir
     save_config(cfg, run_dir)
     _weights_ready(cfg)

@@ -40,6 +40,8 @@ def test_yaml_then_overrides(tmp_path):
         (["trainer.warmup_steps=10"], "trainer.warmup_steps=10 must be < trainer.total_steps=10"),
         (["data.name=jsonl"], "data.name=jsonl needs data.path"),
         (["rollout.max_staleness"], "is not key=value"),
+        (["parallel.allocation=megatron:x2"], "parallel.allocation='megatron:x2': megatron: unknown dimension 'x'"),
+        (["parallel.allocation=megatron:(attn:d2p2|ffn:d4p1)"], "parallel.allocation='megatron:(attn:d2p2|ffn:d4p1)'"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
@@ -80,6 +82,14 @@ def test_cli_rejects_bad_config_before_anything_starts(tmp_path, capsys):
     assert rc == 2
     assert "rollout.top_k=0" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # nothing was written or started
+
+
+def test_cli_train_refuses_a_multi_rank_trainer_in_one_line(tmp_path, capsys):
+    rc = main(["train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"), "parallel.allocation=sglang:d1+megatron:t2",
+               f"logging.root_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "this driver runs one trainer rank" in err
+    assert not any(tmp_path.iterdir())
 
 
 def test_cli_rollout_demo_runs(tmp_path, capsys):
