@@ -81,13 +81,17 @@ def main(argv: list[str] | None = None) -> int:
         serve(argv[1:])
         return 0
     if argv[:1] == ["init-weights"]:
-        return _cmd_init_weights(argv[1:])
+        try:
+            return _cmd_init_weights(argv[1:])
+        except (FileExistsError, FileNotFoundError) as e:
+            print(f"mega-async init-weights: {e}", file=sys.stderr)
+            return 2
     args = parser.parse_args(argv)
     from mega_async.trainer.parallel import AllocationError
 
     try:
         return args.fn(args)
-    except (ConfigError, AllocationError) as e:  # bad input: one line, no traceback
+    except (ConfigError, AllocationError, FileNotFoundError) as e:  # bad input: one line, no traceback
         print(f"mega-async {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -110,10 +110,9 @@ class RolloutBackend:
 
 def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
     """Run `trainer.total_steps` rollout steps with weight-version bumps; returns per-step stats."""
-    run_dir = cfg.run_dir
-    save_config(cfg, run_dir)
-    backend = RolloutBackend(cfg)
+    backend = RolloutBackend(cfg)  # a bad model.path fails here, before the run directory is written
     try:
+        save_config(cfg, cfg.run_dir)
         return _rollout_steps(cfg, backend)
     finally:
         backend.close()
@@ -196,9 +195,9 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
     if alloc.train.world_size != 1:
         raise ConfigError(f"parallel.allocation={cfg.parallel.allocation}: this driver runs one trainer rank "
                           "(megatron:d1); multi-rank training runs through the engine under torchrun")
+    _weights_ready(cfg)  # a bad model.path fails here, before the run directory is written
     run_dir = cfg.run_dir
     save_config(cfg, run_dir)
-    _weights_ready(cfg)
     weights_dir = (run_dir / "weights").resolve()
     weights_dir.mkdir(parents=True, exist_ok=True)
     if not torch.cuda.is_available():  # trainer and servers share the host's cores: split them, never oversubscribe

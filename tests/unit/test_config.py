@@ -92,6 +92,16 @@ def test_cli_train_refuses_a_multi_rank_trainer_in_one_line(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
+def test_cli_missing_model_is_one_line(tmp_path, capsys):
+    rc = main(["train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"), f"model.path={tmp_path / 'nope'}",
+               f"logging.root_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "config.json not found" in err
+    assert not (tmp_path / "runs").exists()  # no run directory left behind
+    assert main(["init-weights", str(tmp_path / "nope")]) == 2
+    assert "config.json not found" in capsys.readouterr().err
+
+
 def test_cli_rollout_demo_runs(tmp_path, capsys):
     rc = main(["rollout", "-c", str(ROOT / "configs" / "rollout_demo.yaml"), "trainer.total_steps=3",
                f"logging.root_dir={tmp_path}"])
