@@ -241,7 +241,8 @@ def validate(cfg: RunConfig) -> None:
     try:
         parse_allocation(cfg.parallel.allocation)
     except AllocationError as e:
-        raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: {str(e).removeprefix('AllocationError: ')}") from None
+        why = str(e).removeprefix("AllocationError: ")
+        raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: {why}") from None
     _choice("logging.level", cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
     for name in ("experiment_name", "trial_name"):
         v = getattr(cfg, name)

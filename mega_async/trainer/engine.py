@@ -1,8 +1,8 @@
 """Megatron train engine: packed 1-D micro-batches, pipeline-aware FFD, decoupled PPO.
 
-train_batch: [recompute or approximate prox logp] [reference logp when kl_coef > 0] -> split into PPO mini-batches -> per mini-batch:
-FFD micro-batches (same count on every DP rank) -> Megatron forward-backward schedule -> one
-optimizer step (distributed optimizer, grad clipping) -> LR schedule step.
+train_batch: [recompute or approximate prox logp] [reference logp when kl_coef > 0] -> split into
+PPO mini-batches -> per mini-batch: FFD micro-batches (same count on every DP rank) -> Megatron
+forward-backward schedule -> one optimizer step (distributed optimizer, grad clipping) -> LR schedule step.
 Losses are token sums; Megatron divides gradients by the global token count (all micro-batches,
 all DP ranks), so the objective is a global token mean whatever the split.
 """
