@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
+from mega_async.data import gsm8k_items
 from mega_async.reward.gsm8k import gold_answer, gsm8k_reward
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "train.jsonl"
+SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "gsm8k_train_head20.jsonl"  # shipped: no ../shared needed
 
 
 def test_reward_values():
@@ -29,6 +30,12 @@ def test_reward_in_worker_thread():
 
 
 def test_reference_solutions_score_one():
-    rows = [json.loads(line) for line in SHARED.open().readlines()[:20]]
+    rows = [json.loads(line) for line in SAMPLE.open()]
+    assert len(rows) == 20
     assert all(gsm8k_reward(r["question"], r["answer"].split("####")[0] + " The answer is " + gold_answer(r["answer"]),
                             r["answer"]) == 1.0 for r in rows)
+
+
+def test_gsm8k_items_build_prompts():
+    items = gsm8k_items(SAMPLE)
+    assert len(items) == 20 and all(it["prompt"].startswith("Question: ") and "####" in it["answer"] for it in items)
