@@ -58,6 +58,9 @@ class RolloutConfig:
     top_k: int = -1
     reward_timeout: float = 15.0  # seconds; a reward slower than this rejects the sample
     dynamic_filter: bool = True  # drop groups whose rewards are all equal (DAPO)
+    # after this many dropped groups in a row the next one is kept anyway, so a solved task cannot
+    # stall the run (null: no limit)
+    dynamic_filter_max_drops: Optional[int] = 20
 
 
 @dataclass
@@ -199,6 +202,8 @@ def validate(cfg: RunConfig) -> None:
             f"rollout.dynamic_filter=true needs rollout.group_size >= 2 (got {r.group_size}): "
             "a group of one always has equal rewards; set rollout.dynamic_filter=false"
         )
+    if r.dynamic_filter_max_drops is not None:
+        _positive("rollout.dynamic_filter_max_drops", r.dynamic_filter_max_drops)
     _choice("data.name", cfg.data.name, ("synthetic", "gsm8k", "jsonl"))
     if cfg.data.name == "jsonl" and not cfg.data.path:
         raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")

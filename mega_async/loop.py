@@ -126,7 +126,8 @@ def rollout_parts(cfg: RunConfig, backend: RolloutBackend) -> tuple[list, GroupW
                      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward_timeout=r.reward_timeout),
         r.group_size,
     )
-    return build_dataset(cfg, backend.vocab_size), workflow, DynamicFilter() if r.dynamic_filter else None
+    flt = DynamicFilter(max_consecutive_drops=r.dynamic_filter_max_drops) if r.dynamic_filter else None
+    return build_dataset(cfg, backend.vocab_size), workflow, flt
 
 
 def _rollout_steps(cfg: RunConfig, backend: RolloutBackend) -> list[dict[str, float]]:

@@ -141,6 +141,28 @@ def test_dynamic_filter_counts():
         assert flt.stats["drop_rate"] > 0
 
 
+def test_dynamic_filter_lets_groups_through_after_a_run_of_drops():
+    flt = DynamicFilter(max_consecutive_drops=3)
+    same, mixed = {"rewards": [1.0, 1.0]}, {"rewards": [0.0, 1.0]}
+    assert [flt(same) for _ in range(4)] == [False, False, False, True]  # the 4th is forced through
+    assert [flt(same) for _ in range(3)] == [False, False, False]  # the run starts again
+    assert flt(mixed) and [flt(same) for _ in range(4)] == [False, False, False, True]  # a kept group resets it
+    assert flt.stats["forced"] == 2 and flt.stats["dropped"] == 9 and flt.stats["kept"] == 3
+    assert all(not DynamicFilter(max_consecutive_drops=None)(same) for _ in range(50))
+    with pytest.raises(ValueError, match="max_consecutive_drops=0"):
+        DynamicFilter(max_consecutive_drops=0)
+
+
+def test_solved_task_does_not_stall_the_batch():
+    """Every group has equal rewards (a solved task): with the cap the batch still fills; without it,
+    the executor would generate forever."""
+    flt = DynamicFilter(max_consecutive_drops=5)
+    with make(B=2, eta=1, should_accept=flt) as ex:
+        items = [{"id": i, "rewards": [1.0, 1.0]} for i in range(4)]  # re-iterated as epochs
+        out = ex.prepare_batch(items)
+        assert len(out) == 2 and flt.forced == 2 and flt.dropped >= 10
+
+
 def test_runner_pause_blocks_admission():
     started = []
     r = AsyncTaskRunner()
