@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["init-weights"]:
         try:
             return _cmd_init_weights(argv[1:])
-        except (FileExistsError, FileNotFoundError) as e:
+        except FileNotFoundError as e:
             print(f"mega-async init-weights: {e}", file=sys.stderr)
             return 2
     args = parser.parse_args(argv)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -38,4 +37,6 @@ def main(src: str, *out_dirs: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 3 or not sys.argv[1].endswith(".jsonl"):
+        sys.exit("usage: python tools/make_tokenizer.py GSM8K_TRAIN.jsonl OUT_DIR [OUT_DIR ...]")
     main(*sys.argv[1:])

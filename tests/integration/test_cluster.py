@@ -4,7 +4,6 @@ import os
 import time
 
 import pytest
-import torch
 
 from mega_async.inference.client import NoHealthyServerError, SGLangClient
 from mega_async.inference.launch import ServerLauncher, ServerSpec, server_command

@@ -6,7 +6,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from mega_async.config import load_config

@@ -7,7 +7,6 @@ import random
 import threading
 import time
 
-import pytest
 import torch
 
 from mega_async.inference.simulated import SimulatedEngine
