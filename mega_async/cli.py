@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mega-async init-weights: {e}", file=sys.stderr)
             return 2
     args = parser.parse_args(argv)
-    from mega_async.trainer.parallel import AllocationError
+    from mega_async.allocation import AllocationError
 
     try:
         return args.fn(args)

@@ -241,7 +241,7 @@ def validate(cfg: RunConfig) -> None:
             f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group"
         )
     _positive("trainer.save_interval", t.save_interval, allow_zero=True)
-    from mega_async.trainer.parallel import AllocationError, parse_allocation  # pure Python, no torch
+    from mega_async.allocation import AllocationError, parse_allocation  # pure Python, no torch
 
     try:
         parse_allocation(cfg.parallel.allocation)

@@ -28,8 +28,9 @@ def main() -> int:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from mega_async.bridge import HFBridge, export_hf_weights, load_hf_weights
+    from mega_async.bridge import export_hf_weights
     from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+    from mega_async.trainer.model import build_model
     from mega_async.trainer.parallel import init_parallel_state, parse_allocation
 
     try:
@@ -52,11 +53,7 @@ def main() -> int:
         src = load_file(str(d / "model.safetensors"))
         for spec in specs:
             t0 = time.time()
-            bridge = HFBridge(d, dtype=torch.float32, layer_spec=spec)
-            models = bridge.build()
-            for m in models:
-                m._mega_async_bridge = bridge
-            load_hf_weights(models, d)
+            models = build_model(d, "megatron:d1", dtype=torch.float32, load_weights=True, layer_spec=spec)
             with torch.no_grad():
                 got = models[0](tokens, pos, None)
             diff = (got.float() - want).abs().max().item()

@@ -1,12 +1,97 @@
-"""Build Megatron-Core GPT models (MoE or dense) from HF configs at any parallel layout."""
+"""Build Megatron-Core GPT models (MoE or dense) from HF configs at any parallel layout.
+
+The bridge (`mega_async.bridge`) supplies the TransformerConfig and the HF names; this module sets the
+run options on that config, picks the layer spec (Megatron's local modules on CPU, Transformer
+Engine on GPU when installed) and builds one GPTModel per virtual pipeline chunk of this rank.
+"""
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from mega_async.trainer.parallel import as_strategy, init_parallel_state, validate_for_model
+
+
+def _configure(bridge: Any) -> None:
+    """Run options on the bridge's TransformerConfig (CPU-safe fusions, per-token loss, p2p mode)."""
+    from megatron.core.distributed import finalize_model_grads
+
+    mb = bridge.mb
+    overrides: dict[str, Any] = dict(
+        moe_grouped_gemm=bridge.use_te,  # local spec: SequentialMLP (one module per expert)
+        persist_layer_norm=False,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=bridge.use_te,
+        bias_dropout_fusion=bridge.use_te,
+        gradient_accumulation_fusion=False,
+        sequence_parallel=mb.mpu.tp_size > 1,  # Megatron requires it for MoE with TP
+        use_cpu_initialization=bridge.on_cpu,
+        batch_p2p_comm=False,  # batched p2p gave wrong VPP gradients on gloo
+        deterministic_mode=False,
+        # losses are token sums; Megatron divides the gradients by the global token count
+        # (all-reduced over DP) instead of averaging per micro-batch and per DP rank
+        calculate_per_token_loss=True,
+    )
+    if mb.mpu.vpp_size is None or mb.mpu.pp_size == 1:
+        overrides["overlap_p2p_comm"] = False
+    mb.set_extra_args(**overrides)
+    bridge.config = mb.config
+    bridge.config.pipeline_model_parallel_size = mb.mpu.pp_size  # else every stage builds all layers
+    # DP reduce-scatter, TP all-reduce of sequence-parallel norm/router grads, token-count scaling
+    bridge.config.finalize_model_grads_func = finalize_model_grads
+
+
+def _layer_spec(bridge: Any, vp_stage: Optional[int]) -> Any:
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    from mega_async.trainer.attention import use_packed_attention
+
+    cfg = bridge.config
+    if bridge.is_moe:
+        spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=bridge.use_te, normalization="RMSNorm",
+                                          vp_stage=vp_stage)
+    elif bridge.use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=cfg.qk_layernorm, normalization="RMSNorm")
+    # local spec: packed 1-D micro-batches need THD attention (TE has it natively)
+    return spec if bridge.use_te else use_packed_attention(spec)
+
+
+def _build(bridge: Any) -> list[torch.nn.Module]:
+    """One GPTModel per virtual pipeline stage of this rank."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+
+    hf = bridge.hf_config
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
+    models = []
+    for stage in range(vpp):
+        vp = stage if vpp > 1 else None
+        m = GPTModel(
+            config=bridge.config,
+            transformer_layer_spec=_layer_spec(bridge, vp),
+            vocab_size=hf.vocab_size,
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            share_embeddings_and_output_weights=bool(getattr(hf, "tie_word_embeddings", False)),
+            position_embedding_type="rope",
+            rotary_base=hf.rope_theta,
+            vp_stage=vp,
+        )
+        m.to(bridge.dtype)
+        if torch.cuda.is_available():
+            m.cuda()
+        m._mega_async_bridge = bridge
+        models.append(m)
+    return models
 
 
 def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = torch.float32,
@@ -26,9 +111,8 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     validate_for_model(strategy, hf_config)
     init_parallel_state(strategy)
     bridge = HFBridge(hf_config, dtype=dtype, layer_spec=layer_spec)
-    models = bridge.build()
-    for m in models:
-        m._mega_async_bridge = bridge
+    _configure(bridge)
+    models = _build(bridge)
     if load_weights:
         if not isinstance(hf_dir_or_config, (str, os.PathLike)):
             raise ValueError("load_weights=True needs an HF directory, not an in-memory config")

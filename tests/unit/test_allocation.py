@@ -59,3 +59,12 @@ def test_engine_refuses_expert_tp_above_attention_tp():
 
     with pytest.raises(AllocationError, match="etp=2 larger than attention TP tp=1"):
         MegatronTrainEngine("unused", "megatron:(attn:d2|ffn:t2)", EngineConfig())
+
+
+def test_duplicate_role_names_are_rejected():
+    from mega_async.allocation import AllocationError, parse_allocation
+
+    with pytest.raises(AllocationError, match=r"role name \[actor\].*both sglang and megatron"):
+        parse_allocation("sglang[actor]:d2+megatron[actor]:d4")
+    a = parse_allocation("sglang[rollout]:d2+megatron[actor]:d4")
+    assert (a.inference.name, a.trainer.name) == ("rollout", "actor")

@@ -1,0 +1,60 @@
+"""Process-level communication helpers shared by the trainer and the embedded server (no trainer or
+server imports here): free TCP ports and the weight-update process group.
+
+`init_custom_process_group` builds a torch process group exactly as SGLang, AReaL, slime and OpenRLHF
+do (PyTorch's `init_process_group` without touching the default group): TCP rendezvous at
+`tcp://master_address:master_port` (rank 0 hosts the store), a `PrefixStore(group_name)`,
+`_new_process_group_helper`, and the group's ranks registered in `_world.pg_group_ranks`. A group
+built any other way writes other store keys, and the other side waits until its timeout.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import socket
+from typing import Any, Optional
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: Optional[datetime.timedelta] = None) -> Any:
+    """A process group of `world_size` ranks next to (and independent of) the default group.
+
+    Both sides of a weight-update group call this: the trainer as rank 0 (it hosts the TCP store),
+    each inference server rank at `rank_offset + tp_rank`. Returns the group for
+    `torch.distributed.broadcast(t, src=0, group=pg)`.
+    """
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    default_pg_timeout, rendezvous)
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r}: use 'gloo' (CPU) or 'nccl' (GPU)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside world_size {world_size}")
+    if not group_name:
+        raise ValueError("group_name must be a non-empty string")
+    timeout = timeout or default_pg_timeout
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    # the options argument was renamed from pg_options to backend_options in PyTorch 2.6
+    opt = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=timeout, **{opt: None})
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_custom_process_group(pg: Any) -> None:
+    """Tear down a group made by `init_custom_process_group` (the default group is untouched)."""
+    import torch.distributed as dist
+
+    if pg is not None:
+        dist.destroy_process_group(pg)

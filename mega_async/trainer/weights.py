@@ -1,0 +1,301 @@
+"""The resharder: Megatron shards -> full HF-named tensors, per pipeline stage, in byte-budget buckets.
+
+Each pipeline stage streams its own layers under their global layer numbers; tensor-parallel
+shards are gathered in the TP group, experts over EP (global expert ids) and expert-TP, vocab
+padding is dropped, and a layer's experts always travel in one bucket. Only the stage head
+(data-parallel rank 0, TP rank 0, CP rank 0 of its stage) receives the tensors, one bucket at a
+time, so no rank ever holds the whole model. `export_hf_weights` (every rank gets every tensor)
+and `save_hf_checkpoint` (each stage head writes its own shard files) are built on it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("mega_async.trainer.weights")
+
+DEFAULT_BUCKET_BYTES = 512 << 20
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+@dataclass
+class Bucket:
+    """Full HF-named tensors of one pipeline stage, in the order they are sent."""
+
+    names: list[str] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+    nbytes: int = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        self.names.append(name)
+        self.tensors.append(t)
+        self.nbytes += t.numel() * t.element_size()
+
+    @property
+    def dtypes(self) -> list[str]:
+        return [str(t.dtype).replace("torch.", "") for t in self.tensors]
+
+    @property
+    def shapes(self) -> list[list[int]]:
+        return [list(t.shape) for t in self.tensors]
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class _Param:
+    chunk: int  # virtual pipeline chunk on this rank
+    local: str  # state_dict key in that chunk
+    name: str  # mbridge's global (TE-style) Megatron name
+    shape: tuple
+    dtype: str
+    is_tp: bool
+    pdim: int
+
+    @property
+    def is_expert(self) -> bool:
+        return ".mlp.experts." in self.name
+
+    @property
+    def unit(self) -> str:
+        """Tensors of one unit never split across buckets: a layer's experts form one unit."""
+        m = _LAYER.match(self.name)
+        return f"experts.{m[1]}" if self.is_expert and m else self.name
+
+
+def _unwrap(m: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t.contiguous(), group=group)
+    return out
+
+
+class Resharder:
+    """Streams this pipeline stage's weights as full HF tensors. Every rank of the stage calls the
+    iterators (they run collectives); only `is_stage_head` ranks receive tensors."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        from megatron.core import parallel_state as mpu
+
+        from mega_async.bridge import bridge_for
+
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+        self.models = list(models)
+        self.bridge = bridge_for(self.models)
+        self.bucket_bytes = bucket_bytes
+        self.pp_rank = mpu.get_pipeline_model_parallel_rank()
+        self.pp_size = mpu.get_pipeline_model_parallel_world_size()
+        dense_zero = mpu.get_data_parallel_rank() == 0 and mpu.get_context_parallel_rank() == 0
+        self.is_stage_head = dense_zero and mpu.get_tensor_model_parallel_rank() == 0
+        # who takes part in the gathers the stage head needs: its TP group (dense) and the expert
+        # ranks of expert-data-parallel rank 0 (EP x ETP, which the head belongs to)
+        self._dense = dense_zero
+        self._expert = mpu.get_expert_data_parallel_rank() == 0
+        self.vocab_size = int(self.bridge.hf_config.vocab_size)
+        self.params = self._local_params()
+        self.stats: dict[str, float] = {}
+
+    def _local_params(self) -> list[_Param]:
+        out = []
+        for v, model in enumerate(self.models):
+            m = _unwrap(model)
+            params = dict(m.named_parameters())
+            for local, t in m.state_dict().items():
+                if "_extra_state" in local or t is None:
+                    continue
+                p = params.get(local, t)
+                out.append(_Param(v, local, self.bridge.global_name(model, local), tuple(t.shape),
+                                  str(t.dtype).replace("torch.", ""), bool(getattr(p, "tensor_model_parallel", False)),
+                                  int(getattr(p, "partition_dim", -1))))
+        return out
+
+    def _tensor(self, p: _Param) -> torch.Tensor:
+        return _unwrap(self.models[p.chunk]).state_dict()[p.local].detach()
+
+    # ---- gather ------------------------------------------------------------------------------
+    def _full(self, p: _Param, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """Megatron-named full tensors of one local parameter (gathered over TP, or EP x ETP)."""
+        from megatron.core import parallel_state as mpu
+
+        if p.is_expert:
+            ep = mpu.get_expert_model_parallel_world_size()
+            shards = _all_gather(t, mpu.get_expert_model_parallel_group()) if ep > 1 else [t]
+            prefix, local_id = p.name.rsplit(".weight", 1)
+            per_rank = self.bridge.config.num_moe_experts // ep
+            first = int(local_id) - per_rank * mpu.get_expert_model_parallel_rank()
+            etp = mpu.get_expert_tensor_parallel_world_size()
+            for r, shard in enumerate(shards):
+                name = f"{prefix}.weight{first + per_rank * r}"
+                parts = _all_gather(shard, mpu.get_expert_tensor_parallel_group()) if etp > 1 else [shard]
+                yield name, self._merge(name, parts, p.pdim)
+            return
+        tp = mpu.get_tensor_model_parallel_world_size()
+        if p.is_tp and tp > 1:
+            yield p.name, self._merge(p.name, _all_gather(t, mpu.get_tensor_model_parallel_group()), p.pdim)
+        else:
+            yield p.name, t
+
+    def _merge(self, name: str, parts: list[torch.Tensor], pdim: int) -> torch.Tensor:
+        """Inverse of the TP split: qkv rows by KV group, gate/up halves separately, else the partition dim."""
+        if len(parts) == 1:
+            return parts[0]
+        if "linear_fc1.weight" in name and self.bridge.config.gated_linear_unit:
+            gates, ups = zip(*(x.chunk(2) for x in parts))
+            return torch.cat([torch.cat(gates), torch.cat(ups)])
+        if "linear_fc2.weight" in name:
+            return torch.cat(parts, dim=1)
+        return torch.cat(parts, dim=0 if "linear_qkv" in name or pdim < 0 else pdim)
+
+    def _hf(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        tied = self.bridge.tied()
+        for hf_name, tensor in zip(*self.bridge.mb._weight_to_hf_format(name, full)):
+            if hf_name == "lm_head.weight" and tied:
+                continue  # the output layer duplicates the embedding
+            if hf_name in ("lm_head.weight", "model.embed_tokens.weight") and tensor.shape[0] > self.vocab_size:
+                tensor = tensor[: self.vocab_size]  # vocab padding is Megatron's, not the model's
+            yield hf_name, tensor.contiguous()
+
+    def units(self, everything: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """This stage's HF tensors grouped in units (a layer's experts together). On ranks that take no
+        part (and with `everything=False`, on every rank but the stage head) the gathers run and
+        nothing is yielded; `everything=True` makes every rank of the stage gather and receive all."""
+        unit: list[tuple[str, torch.Tensor]] = []
+        key = None
+        keep = everything or self.is_stage_head
+        for p in self.params:
+            if not (everything or (self._expert if p.is_expert else self._dense)):
+                continue
+            if key is not None and p.unit != key and unit:
+                yield unit
+                unit = []
+            key = p.unit
+            for name, full in self._full(p, self._tensor(p)):
+                if keep:
+                    unit.extend(self._hf(name, full))
+        if unit:
+            yield unit
+
+    def buckets(self) -> Iterator[Bucket]:
+        """This stage's units packed into buckets of at most `bucket_bytes` (a unit larger than the
+        budget travels alone). Every rank of the stage must drain it; only the head gets buckets."""
+        bucket = Bucket()
+        t0 = time.perf_counter()
+        gather_s = 0.0
+        n = 0
+        for unit in self.units():
+            gather_s += time.perf_counter() - t0
+            size = sum(t.numel() * t.element_size() for _, t in unit)
+            if len(bucket) and bucket.nbytes + size > self.bucket_bytes:
+                n += 1
+                yield bucket
+                bucket = Bucket()
+            for name, t in unit:
+                bucket.add(name, t)
+            t0 = time.perf_counter()
+        gather_s += time.perf_counter() - t0
+        if len(bucket):
+            n += 1
+            yield bucket
+        self.stats = {"gather_s": gather_s, "buckets": n}
+
+
+def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors from any layout; every rank iterates and gets every tensor (the stages'
+    tensors are broadcast over PP, stage by stage)."""
+    from megatron.core import parallel_state as mpu
+
+    rs = Resharder(models)
+    if rs.pp_size == 1:
+        for unit in rs.units(everything=True):
+            yield from ((n, t.cpu()) for n, t in unit)
+        return
+    group = mpu.get_pipeline_model_parallel_group()
+    for stage in range(rs.pp_size):
+        src = dist.get_global_rank(group, stage)
+        mine = rs.units(everything=True) if stage == rs.pp_rank else iter(())
+        while True:
+            unit = next(mine, None) if stage == rs.pp_rank else None
+            meta = [None if unit is None else [(n, tuple(t.shape), str(t.dtype).replace("torch.", "")) for n, t in unit]]
+            dist.broadcast_object_list(meta, src=src, group=group)
+            if meta[0] is None:
+                break
+            for i, (name, shape, dtype) in enumerate(meta[0]):
+                t = unit[i][1].to(_device()) if unit is not None else torch.empty(shape, dtype=getattr(torch, dtype),
+                                                                               device=_device())
+                dist.broadcast(t, src=src, group=group)
+                yield name, t.cpu()
+
+
+def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
+                       max_shard_bytes: int = 2 << 30, progress: bool = False) -> dict[str, int]:
+    """HF safetensors (+ index, config, tokenizer files from `src_dir`), written by each pipeline stage's
+    head for its own layers (a shared filesystem across nodes), into `<out>.partial`, renamed at the end."""
+    from safetensors.torch import save_file
+
+    rs = Resharder(models, bucket_bytes=max_shard_bytes)
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".partial")
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if dist.is_initialized():
+        dist.barrier()
+    written: list[tuple[str, list[str], int]] = []
+    buckets: Any = rs.buckets()
+    if progress and rs.is_stage_head:
+        from tqdm import tqdm
+
+        buckets = tqdm(buckets, desc=f"export HF shards (stage {rs.pp_rank})", unit="shard")
+    for i, b in enumerate(buckets):
+        fname = f"model-pp{rs.pp_rank:03d}-{i:05d}.safetensors"
+        save_file(dict(zip(b.names, b.tensors)), str(tmp / fname), metadata={"format": "pt"})
+        written.append((fname, b.names, b.nbytes))
+    every: list = [written]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, written)
+    files = [w for per_rank in every for w in per_rank]
+    total = sum(nb for _, _, nb in files)
+    count = sum(len(names) for _, names, _ in files)
+    if rank0:
+        if len(files) == 1:
+            os.replace(tmp / files[0][0], tmp / "model.safetensors")
+        else:
+            weight_map = {n: f for f, names, _ in files for n in names}
+            (tmp / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+        if src_dir is not None and Path(src_dir).is_dir():
+            for f in Path(src_dir).iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                    shutil.copy2(f, tmp / f.name)
+        if not (tmp / "config.json").exists():
+            rs.bridge.hf_config.save_pretrained(str(tmp))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return {"tensors": count, "bytes": total}
+
