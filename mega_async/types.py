@@ -1,11 +1,34 @@
 """Request/response types shared by the rollout layer and inference clients, plus batch helpers."""
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+
+
+class WeightVersion:
+    """The weight version of a run. One owner bumps it (the weight sync, or a standalone driver); the
+    staleness manager, the client and the trainer read the same object, so they can never disagree."""
+
+    def __init__(self, value: int = 0):
+        self._value = int(value)
+        self._lock = threading.Lock()
+
+    @property
+    def value(self) -> int:
+        return self._value
+
+    def set(self, v: int) -> None:
+        with self._lock:
+            if v < self._value:
+                raise ValueError(f"version may only grow: {self._value} -> {v}")
+            self._value = int(v)
+
+    def __repr__(self) -> str:
+        return f"WeightVersion({self._value})"
 
 
 @dataclass

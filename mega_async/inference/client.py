@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
-from mega_async.types import ModelRequest, ModelResponse
+from mega_async.types import ModelRequest, ModelResponse, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
 
@@ -51,6 +51,7 @@ class SGLangClient:
         health_check_interval: float = 1.0,
         unhealthy_timeout: float = 30.0,
         max_resubmits: int = 1000,
+        version: Optional[WeightVersion] = None,
     ):
         if not addresses:
             raise ValueError("SGLangClient needs at least one server address (host:port)")
@@ -62,7 +63,7 @@ class SGLangClient:
         self.health_check_interval = health_check_interval
         self.unhealthy_timeout = unhealthy_timeout
         self.max_resubmits = max_resubmits
-        self.version = 0
+        self._version = version if version is not None else WeightVersion()  # read; owned by the weight sync
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._sticky: dict[str, _Server] = {}
@@ -230,8 +231,13 @@ class SGLangClient:
     def resume(self) -> None:
         self._unpaused.set()
 
+    @property
+    def version(self) -> int:
+        return self._version.value
+
     def set_version(self, v: int) -> None:
-        self.version = v
+        """For callers without a weight sync (which sets the shared `WeightVersion` itself)."""
+        self._version.set(v)
 
     # ---- control, to all servers concurrently -----------------------------------------------
     async def _post_all(self, path: str, body: dict, *, check: bool = True, only_healthy: bool = False,

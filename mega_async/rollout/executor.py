@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import RolloutWorkflow
+from mega_async.types import WeightVersion
 
 logger = logging.getLogger("mega_async.rollout.executor")
 
@@ -42,6 +43,7 @@ class WorkflowExecutor:
         max_concurrent_rollouts: int | None = None,
         should_accept: AcceptFn | None = None,
         poll_interval: float = 0.05,
+        version: WeightVersion | None = None,
     ):
         self.engine = engine
         self.workflow = workflow
@@ -49,7 +51,8 @@ class WorkflowExecutor:
         self.consumer_batch_size = consumer_batch_size
         self.max_staleness = max_staleness
         self.staleness = StalenessManager(
-            max_concurrent_rollouts or consumer_batch_size * (max_staleness + 1), consumer_batch_size, max_staleness
+            max_concurrent_rollouts or consumer_batch_size * (max_staleness + 1), consumer_batch_size, max_staleness,
+            version=version,
         )
         self.max_pending = (max_staleness + 1) * consumer_batch_size
         self._poll = poll_interval
@@ -66,7 +69,7 @@ class WorkflowExecutor:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
-                    should_accept: AcceptFn | None = None) -> "WorkflowExecutor":
+                    should_accept: AcceptFn | None = None, version: WeightVersion | None = None) -> "WorkflowExecutor":
         return cls(
             engine,
             workflow,
@@ -74,6 +77,7 @@ class WorkflowExecutor:
             max_staleness=rollout_cfg.max_staleness,
             max_concurrent_rollouts=rollout_cfg.max_concurrent_rollouts,
             should_accept=should_accept,
+            version=version,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -260,6 +264,10 @@ class WorkflowExecutor:
 
     def set_version(self, v: int) -> None:
         self.staleness.set_version(v)
+        self._runner.wake()
+
+    def wake(self) -> None:
+        """Re-check admission now (after the shared version was bumped by its owner)."""
         self._runner.wake()
 
     def on_version_recovered(self, v: int) -> None:

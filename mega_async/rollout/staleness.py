@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
+from typing import Optional
+
+from mega_async.types import WeightVersion
 
 
 @dataclass
@@ -21,7 +24,8 @@ class RolloutStat:
 class StalenessManager:
     """Thread-safe bookkeeping of the capacity rule. B = `consumer_batch_size` (groups per step)."""
 
-    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int):
+    def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int,
+                 version: Optional[WeightVersion] = None):
         if max_concurrent_rollouts < 1 or consumer_batch_size < 1 or max_staleness < 0:
             raise ValueError(
                 f"StalenessManager needs max_concurrent_rollouts >= 1, consumer_batch_size >= 1, max_staleness >= 0; "
@@ -32,18 +36,15 @@ class StalenessManager:
         self.max_staleness = max_staleness
         self._lock = threading.Lock()
         self._stat = RolloutStat()
-        self._version = 0
+        self._version = version if version is not None else WeightVersion()  # read, owned by the weight sync
 
     @property
     def version(self) -> int:
-        with self._lock:
-            return self._version
+        return self._version.value
 
     def set_version(self, v: int) -> None:
-        with self._lock:
-            if v < self._version:
-                raise ValueError(f"version may only grow: {self._version} -> {v}")
-            self._version = v
+        """For drivers without a weight sync: the sync sets the shared `WeightVersion` itself."""
+        self._version.set(v)
 
     def on_version_recovered(self, v: int) -> None:
         """After resuming from a checkpoint at version v, v*B groups were already consumed.
@@ -51,7 +52,7 @@ class StalenessManager:
         Without this, accepted restarts at 0 and capacity balloons to (eta + v + 1) * B.
         """
         with self._lock:
-            self._version = v
+            self._version.set(v)
             self._stat.accepted = v * self.consumer_batch_size
 
     @property
@@ -67,7 +68,7 @@ class StalenessManager:
     def _capacity_locked(self) -> int:
         s = self._stat
         concurrency = self.max_concurrent_rollouts - s.running
-        staleness = (self.max_staleness + self._version + 1) * self.consumer_batch_size - (s.accepted + s.running)
+        staleness = (self.max_staleness + self._version.value + 1) * self.consumer_batch_size - (s.accepted + s.running)
         return min(concurrency, staleness)
 
     def try_submit(self) -> int | None:
@@ -79,7 +80,7 @@ class StalenessManager:
             if self._capacity_locked() <= 0:
                 return None
             self._submit_locked()
-            return self._version
+            return self._version.value
 
     def on_enqueued(self) -> None:
         with self._lock:
@@ -113,4 +114,4 @@ class StalenessManager:
     @property
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**asdict(self._stat), "version": self._version, "capacity": self._capacity_locked()}
+            return {**asdict(self._stat), "version": self._version.value, "capacity": self._capacity_locked()}

@@ -26,9 +26,9 @@ class CheckedStaleness(StalenessManager):
     def _submit_locked(self):
         super()._submit_locked()
         s = self._stat
-        bound = (self.max_staleness + self._version + 1) * self.consumer_batch_size
+        bound = (self.max_staleness + self._version.value + 1) * self.consumer_batch_size
         if s.running > self.max_concurrent_rollouts or s.accepted + s.running > bound:
-            self.violations.append((s.running, s.accepted, self._version))
+            self.violations.append((s.running, s.accepted, self._version.value))
 
 
 def run_stress(eta: int, B: int, steps: int, seed: int) -> int:

@@ -90,3 +90,21 @@ def test_thread_safety_invariants():
     assert s["running"] == 0
     assert s["accepted"] + s["rejected"] == s["submitted"]
     assert s["accepted"] <= (eta + 5 + 1) * B
+
+
+def test_version_is_read_from_its_one_owner():
+    """The staleness manager and the client read the WeightVersion its owner (the sync) bumps."""
+    from mega_async.inference.client import SGLangClient
+    from mega_async.types import WeightVersion
+
+    wv = WeightVersion()
+    sm = StalenessManager(100, 2, 0, version=wv)
+    client = SGLangClient(["127.0.0.1:1"], version=wv)
+    for _ in range(2):
+        assert sm.try_submit() == 0
+        sm.on_accepted()
+    assert sm.get_capacity() == 0  # eta = 0: one batch per version
+    wv.set(1)
+    assert (sm.version, client.version, sm.get_capacity()) == (1, 1, 2)
+    with pytest.raises(ValueError, match="only grow"):
+        wv.set(0)
