@@ -43,14 +43,41 @@ def _cmd_init_weights(argv: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from mega_async.loop import run_training
+    import os
+
+    from mega_async import spmd
+    from mega_async.allocation import AllocationError, parse_allocation
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(cfg.logging.level)
-    history = run_training(cfg)
-    first, last = history[0], history[-1]
-    print(f"training done: {len(history)} steps in {last['elapsed_s']:.1f}s; reward {first['reward_mean']:.3f} -> "
-          f"{last['reward_mean']:.3f}; weights version {last['version']} on the servers; run dir {cfg.run_dir}")
+    world = parse_allocation(cfg.parallel.allocation).train.world_size
+    if world > 1 and not spmd.under_launcher():  # one host: start the trainer ranks ourselves
+        argv = ["train"] + (["-c", args.config] if args.config else []) + list(args.overrides)
+        return spmd.launch_local(world, argv)
+    from mega_async.loop import run_training
+
+    spmd.stop_on_sigterm()
+    try:
+        history = run_training(cfg)
+    except BaseException as e:
+        if isinstance(e, (ConfigError, AllocationError, FileNotFoundError)) and world == 1:
+            raise  # bad input: main() prints it in one line
+        logging.getLogger("mega_async.cli").exception("trainer rank failed")
+        if world > 1:  # leave at once: a collective teardown could wait on a dead rank
+            spmd.record_error(e)
+            logging.shutdown()
+            os._exit(1)
+        if isinstance(e, KeyboardInterrupt):
+            print("mega-async train: interrupted", file=sys.stderr)
+            return 130
+        print(f"mega-async train: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+              file=sys.stderr)
+        return 1
+    if history:
+        first, last = history[0], history[-1]
+        print(f"training done: {len(history)} steps in {last['elapsed_s']:.1f}s; reward {first['reward_mean']:.3f} -> "
+              f"{last['reward_mean']:.3f}; weights version {last['version']} on the servers; final weights in "
+              f"{cfg.run_dir / 'final_hf'}")
     return 0
 
 

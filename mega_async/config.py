@@ -39,8 +39,9 @@ class ParallelConfig:
 @dataclass
 class InferenceConfig:
     backend: str = "embedded"  # embedded (CPU server in-tree) | sglang (real servers) | simulated
-    addresses: list[str] = field(default_factory=list)  # existing servers; empty = launch them
-    num_servers: int = 1
+    # existing servers, one per server of the allocation's inference part; empty = launch them. How many
+    # servers and their tp/ep come from parallel.allocation's inference part (sglang:d2t4 = 2 servers, tp 4)
+    addresses: list[str] = field(default_factory=list)
     request_timeout: float = 300.0  # seconds for one /generate round trip
     api_key: Optional[str] = None
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
@@ -98,6 +99,15 @@ class TrainerConfig:
     max_tokens_per_mb: int = 4096
     ppo_n_minibatches: int = 1
     save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    weight_sync: str = "distributed"  # distributed (torch.distributed broadcast) | disk (HF dirs the servers load)
+    sync_bucket_bytes: int = 512 << 20  # byte budget of one weight bucket (a layer's experts never split)
+    sync_load_format: str = "flattened_bucket"  # flattened_bucket (one buffer per bucket) | tensor (one per tensor)
+    sync_backend: Optional[str] = None  # gloo | nccl; null = nccl with CUDA, else gloo
+    sync_timeout: float = 300.0  # seconds for one group set-up, bucket or server reply
+    sync_master_address: Optional[str] = None  # where servers reach the trainer's stage heads; null = route to them
+    keep_weight_versions: int = 2  # disk mode: newest version directories kept
+    verify_sync: bool = False  # after each sync: servers' probe logprobs must equal the trainer's
+    verify_sync_tol: float = 1e-4
 
 
 @dataclass
@@ -138,6 +148,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     """Defaults <- YAML file <- dotted overrides; returns a validated `RunConfig`."""
     schema = OmegaConf.structured(RunConfig)
     layers: list[Any] = [schema]
+    data: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -152,6 +163,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     for ov in overrides:
         if "=" not in ov or ov.startswith("="):
             raise ConfigError(f"override {ov!r} is not key=value (example: rollout.max_staleness=4)")
+    in_file = len(layers) > 1 and isinstance(data.get("inference"), dict) and "num_servers" in data["inference"]
+    if in_file or any(ov.startswith("inference.num_servers=") for ov in overrides):
+        raise ConfigError("inference.num_servers was removed: the inference part of parallel.allocation says how many "
+                          "servers run (sglang:d2+megatron:d1 = two servers)")
     if overrides:
         try:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
@@ -181,7 +196,6 @@ def validate(cfg: RunConfig) -> None:
     r, a, t, inf = cfg.rollout, cfg.algorithm, cfg.trainer, cfg.inference
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     _choice("inference.backend", inf.backend, ("embedded", "sglang", "simulated"))
-    _positive("inference.num_servers", inf.num_servers)
     _positive("inference.request_timeout", inf.request_timeout)
     if inf.backend == "sglang" and not inf.addresses and not cfg.model.path:
         raise ConfigError("inference.backend=sglang needs inference.addresses or model.path to launch servers")
@@ -241,13 +255,29 @@ def validate(cfg: RunConfig) -> None:
             f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group"
         )
     _positive("trainer.save_interval", t.save_interval, allow_zero=True)
+    _choice("trainer.weight_sync", t.weight_sync, ("distributed", "disk"))
+    _positive("trainer.sync_bucket_bytes", t.sync_bucket_bytes)
+    _choice("trainer.sync_load_format", t.sync_load_format, ("flattened_bucket", "tensor"))
+    if t.sync_backend is not None:
+        _choice("trainer.sync_backend", t.sync_backend, ("gloo", "nccl"))
+    _positive("trainer.sync_timeout", t.sync_timeout)
+    _positive("trainer.keep_weight_versions", t.keep_weight_versions)
+    _positive("trainer.verify_sync_tol", t.verify_sync_tol)
     from mega_async.allocation import AllocationError, parse_allocation  # pure Python, no torch
 
     try:
-        parse_allocation(cfg.parallel.allocation)
+        alloc = parse_allocation(cfg.parallel.allocation)
     except AllocationError as e:
         why = str(e).removeprefix("AllocationError: ")
         raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: {why}") from None
+    if inf.backend != "simulated":
+        if alloc.inference is None:
+            raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r} has no inference part: name the "
+                              "servers first, e.g. sglang:d1+megatron:d1")
+        n = alloc.inference.strategy.dp
+        if inf.addresses and len(inf.addresses) != n:
+            raise ConfigError(f"inference.addresses lists {len(inf.addresses)} servers but parallel.allocation's "
+                              f"inference part {alloc.inference.backend}:d{n} says {n}")
     _choice("logging.level", cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
     for name in ("experiment_name", "trial_name"):
         v = getattr(cfg, name)

@@ -34,3 +34,20 @@ def grpo_advantages(rewards: torch.Tensor, group_size: int, method: str = "group
 def token_advantages(seq_advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Broadcast [n] sequence advantages over [n, L] tokens, zero where loss_mask is 0."""
     return seq_advantages[:, None].to(torch.float32) * loss_mask.to(torch.float32)
+
+
+def batch_with_advantages(groups: list[dict[str, torch.Tensor]], method: str = "group", reward_scale: float = 1.0,
+                          reward_bias: float = 0.0) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+    """Each prompt group gets per-sequence `advantages` (group-wise: a group may have lost rejected members;
+    `batch` normalises over all groups together). Returns the groups and all rewards."""
+    rewards = torch.cat([g["rewards"] for g in groups])
+    if method == "batch":
+        adv = grpo_advantages(rewards, 1, "batch", reward_scale=reward_scale, reward_bias=reward_bias)
+        out, i = [], 0
+        for g in groups:
+            n = g["rewards"].numel()
+            out.append({**g, "advantages": adv[i:i + n]})
+            i += n
+        return out, rewards
+    return [{**g, "advantages": grpo_advantages(g["rewards"], g["rewards"].numel(), method, reward_scale=reward_scale,
+                                                reward_bias=reward_bias)} for g in groups], rewards

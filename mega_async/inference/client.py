@@ -241,12 +241,12 @@ class SGLangClient:
 
     # ---- control, to all servers concurrently -----------------------------------------------
     async def _post_all(self, path: str, body: dict, *, check: bool = True, only_healthy: bool = False,
-                        bodies: Optional[list[dict]] = None) -> list[Any]:
+                        bodies: Optional[list[dict]] = None, timeout: Optional[float] = None) -> list[Any]:
         targets = [s for s in self.servers if s.healthy or not only_healthy]
 
         async def one(i: int, s: _Server) -> Any:
             try:
-                status, out = await self._request("POST", s, path, bodies[i] if bodies else body)
+                status, out = await self._request("POST", s, path, bodies[i] if bodies else body, timeout=timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                 self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
                 if check:
@@ -272,21 +272,40 @@ class SGLangClient:
                              {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
 
     async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
-                                        backend: str = "gloo", gpus_per_server: int = 1) -> int:
+                                        backend: str = "gloo", gpus_per_server: int = 1,
+                                        timeout: Optional[float] = None) -> int:
         """Every server joins rank_offset = 1 + GPUs before it; returns world size (trainer is rank 0)."""
         world = 1 + gpus_per_server * len(self.servers)
         bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": 1 + i * gpus_per_server,
                    "world_size": world, "group_name": group_name, "backend": backend} for i in range(len(self.servers))]
-        await self._post_all("/init_weights_update_group", {}, bodies=bodies)
+        await self._post_all("/init_weights_update_group", {}, bodies=bodies, timeout=timeout)
         return world
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, version: int | str | None = None) -> None:
+                                              group_name: str, version: int | str | None = None,
+                                              load_format: Optional[str] = None, timeout: Optional[float] = None) -> None:
+        """One bucket: every server receives the broadcast that the trainer starts after posting this.
+        `load_format="flattened_bucket"`: the bucket travels as one uint8 buffer (SGLang's layout)."""
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                                 "flush_cache": True}
         if version is not None:
             body["weight_version"] = str(version)
-        await self._post_all("/update_weights_from_distributed", body)
+        if load_format is not None:
+            body["load_format"] = load_format
+        await self._post_all("/update_weights_from_distributed", body, timeout=timeout)
+
+    async def rollback_weights(self) -> list[Any]:
+        """Ask every server to drop the weight updates of the current pause (embedded servers restore the
+        weights and version they had at /pause_generation; real SGLang has no such endpoint and answers 404,
+        returned as None). Never raises."""
+        return await self._post_all("/rollback_weights", {}, check=False)
+
+    async def generate_on(self, index: int, payload: dict) -> dict:
+        """One raw /generate on server `index` (no retries, no resubmission): for probes and checks."""
+        status, out = await self._request("POST", self.servers[index], "/generate", payload)
+        if status != 200:
+            raise ServerError(f"{self.servers[index].address}/generate answered {status}: {out}")
+        return out
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False)

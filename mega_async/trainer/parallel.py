@@ -29,6 +29,11 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if dist.is_initialized():
         return
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # srun: one task per rank
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise RuntimeError("srun with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

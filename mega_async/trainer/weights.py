@@ -130,8 +130,8 @@ class Resharder:
                                   int(getattr(p, "partition_dim", -1))))
         return out
 
-    def _tensor(self, p: _Param) -> torch.Tensor:
-        return _unwrap(self.models[p.chunk]).state_dict()[p.local].detach()
+    def _state_dicts(self) -> list[dict[str, torch.Tensor]]:
+        return [_unwrap(m).state_dict() for m in self.models]
 
     # ---- gather ------------------------------------------------------------------------------
     def _full(self, p: _Param, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -183,6 +183,7 @@ class Resharder:
         unit: list[tuple[str, torch.Tensor]] = []
         key = None
         keep = everything or self.is_stage_head
+        sds = self._state_dicts()  # once per pass: state_dict() walks the whole module tree
         for p in self.params:
             if not (everything or (self._expert if p.is_expert else self._dense)):
                 continue
@@ -190,7 +191,7 @@ class Resharder:
                 yield unit
                 unit = []
             key = p.unit
-            for name, full in self._full(p, self._tensor(p)):
+            for name, full in self._full(p, sds[p.chunk][p.local].detach()):
                 if keep:
                     unit.extend(self._hf(name, full))
         if unit:

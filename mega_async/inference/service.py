@@ -1,0 +1,81 @@
+"""The inference service of a run: the servers that the allocation's inference part names (launched here,
+or existing ones at `inference.addresses`) and the one SGLang client that drives them.
+
+`sglang:d2t4e4` means two servers, each with tp 4 and ep 4 (real SGLang); the embedded server runs one
+rank per server (t and e must be 1). `inference.backend=simulated` is the latency simulator.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from mega_async.allocation import parse_allocation
+from mega_async.config import ConfigError, RunConfig
+from mega_async.types import WeightVersion
+
+logger = logging.getLogger("mega_async.inference.service")
+
+
+def server_layout(cfg: RunConfig) -> tuple[int, int, int]:
+    """(servers, tp per server, ep per server) from the allocation's inference part."""
+    part = parse_allocation(cfg.parallel.allocation).inference
+    if part is None:
+        raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r} has no inference part: "
+                          "prefix it with the servers, e.g. sglang:d1+megatron:d1")
+    s = part.strategy
+    if s.pp > 1 or s.cp > 1:
+        raise ConfigError(f"parallel.allocation: inference part {part.backend}:{s} uses p/c; servers take d (count), "
+                          "t (tp per server) and e (ep per server)")
+    return s.dp, s.tp, s.ep
+
+
+class InferenceService:
+    """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
+
+    def __init__(self, cfg: RunConfig, version: Optional[WeightVersion] = None, weights_root: Any = None,
+                 cpu_share: float = 1.0):
+        self.cfg = cfg
+        self.launcher: Any = None
+        self.tokenizer: Any = None
+        self.vocab_size = 64
+        self.addresses: list[str] = []
+        inf = cfg.inference
+        if inf.backend == "simulated":
+            from mega_async.inference.simulated import SimulatedEngine
+
+            self.engine: Any = SimulatedEngine(vocab_size=self.vocab_size, token_latency=(0.0, 0.002), seed=cfg.seed)
+            self.gpus_per_server = 1
+            return
+        from transformers import AutoConfig, AutoTokenizer
+
+        from mega_async.inference.client import SGLangClient
+        from mega_async.inference.launch import ServerLauncher, ServerSpec
+        from mega_async.model_cards import has_weights, init_random_weights
+
+        n, tp, ep = server_layout(cfg)
+        if inf.backend == "embedded" and (tp > 1 or ep > 1):
+            raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: the embedded server runs one rank "
+                              f"(t1, e1); got t{tp} e{ep}. Use inference.backend=sglang for tensor/expert-parallel servers")
+        self.gpus_per_server = tp
+        model = cfg.model.path
+        if inf.backend == "embedded" and not has_weights(model):
+            logger.info("%s has no weights yet: writing a deterministic random init (seed %d)", model, cfg.seed)
+            init_random_weights(model, seed=cfg.seed)
+        self.vocab_size = AutoConfig.from_pretrained(model).vocab_size
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        addresses = list(inf.addresses)
+        if not addresses:
+            spec = ServerSpec(inf.backend, model, num_servers=n, api_key=inf.api_key, tp_size=tp, ep_size=ep,
+                              dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args,
+                              weights_root=str(weights_root) if weights_root else None,
+                              num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))
+            self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
+            addresses = self.launcher.start()
+        self.addresses = addresses
+        self.engine = SGLangClient(addresses, api_key=inf.api_key, request_timeout=inf.request_timeout,
+                                   version=version)
+
+    def close(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop()

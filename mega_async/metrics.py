@@ -1,0 +1,96 @@
+"""Run metrics: the stat names of a training step, one JSONL line per step, TensorBoard scalars, and GPU
+memory/utilisation through nvidia-ml-py when a GPU is present.
+
+Names: `reward_mean` (over every generated group, filtered or not), `batch_reward_mean` (the trained
+batch), `train/*` (engine), `sync/*` (weight sync), `executor/*` (staleness manager and executor),
+`filter/*` (dynamic filter), `gpu/*`, and the timings `rollout_wait_s`, `train_s`, `step_s`, `elapsed_s`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+logger = logging.getLogger("mega_async.metrics")
+
+
+class RewardTracker:
+    """Mean reward of the groups generated since the last call (the dynamic filter sees them all)."""
+
+    def __init__(self, flt: Any = None):
+        self.flt = flt
+        self._seen = (0.0, 0)
+
+    def since_last(self, fallback: float) -> float:
+        if self.flt is None:
+            return fallback
+        d_sum, d_n = self.flt.reward_sum - self._seen[0], self.flt.reward_count - self._seen[1]
+        self._seen = (self.flt.reward_sum, self.flt.reward_count)
+        return d_sum / d_n if d_n else fallback
+
+
+def gpu_stats() -> dict[str, float]:
+    """Memory and utilisation of this process's GPU (empty without CUDA or nvidia-ml-py)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        mem, util = pynvml.nvmlDeviceGetMemoryInfo(h), pynvml.nvmlDeviceGetUtilizationRates(h)
+        return {"gpu/mem_used_gib": mem.used / 2**30, "gpu/util_pct": float(util.gpu),
+                "gpu/torch_max_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}
+    except Exception:  # noqa: BLE001 - metrics never stop a run
+        return {}
+
+
+class Metrics:
+    """Writes `<run_dir>/metrics.jsonl` (and TensorBoard under `<run_dir>/tensorboard`) on the rank that
+    owns it; other ranks get a Metrics with `enabled=False` that writes nothing."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
+        self.enabled = enabled
+        self.history: list[dict[str, Any]] = []
+        self.t0 = time.monotonic()
+        self._file = None
+        self._tb = None
+        if not enabled:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._file = (run_dir / "metrics.jsonl").open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def log(self, step: int, stats: dict[str, Any]) -> dict[str, Any]:
+        stat = {"step": step, **stats, **gpu_stats(), "elapsed_s": round(time.monotonic() - self.t0, 3)}
+        if not self.enabled:
+            return stat
+        self.history.append(stat)
+        self._file.write(json.dumps(stat) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in stat.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+        return stat
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def prefixed(prefix: str, stats: Optional[dict[str, Any]]) -> dict[str, Any]:
+    return {f"{prefix}/{k}": v for k, v in (stats or {}).items()}

@@ -1,0 +1,79 @@
+"""Starting the trainer ranks of a run: on one host `mega-async train` spawns them itself (torchrun);
+under torchrun or srun (many hosts) every rank runs the same command unchanged.
+
+A failure on any rank stops all ranks (torchrun stops the others; servers die with rank 0) and the
+command exits non-zero with the first failing rank's error in one line.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Sequence
+
+ERROR_DIR_ENV = "MEGA_ASYNC_ERROR_DIR"
+
+
+def under_launcher() -> bool:
+    """True when this process is one rank of a multi-rank launch (torchrun, or srun with several tasks)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return True
+    return "SLURM_PROCID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+
+
+def launch_local(nproc: int, argv: Sequence[str]) -> int:
+    """Run `mega-async <argv>` as `nproc` ranks on this host; returns the exit code (prints one error line)."""
+    from mega_async.comm import free_port
+
+    err_dir = tempfile.mkdtemp(prefix="mega_async_ranks_")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "mega_async.cli", *argv]
+    env = {**os.environ, ERROR_DIR_ENV: err_dir}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * nproc))))
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:  # Ctrl-C reached every rank too; give them time to stop their servers
+        try:
+            rc = proc.wait(timeout=60)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.kill()
+            rc = proc.wait()
+        print("mega-async train: interrupted", file=sys.stderr)
+        return 130
+    if rc != 0:
+        line = first_error(err_dir)
+        print(f"mega-async train: {line or f'a trainer rank failed (torchrun exit code {rc}); see the log above'}",
+              file=sys.stderr)
+    return rc
+
+
+def first_error(err_dir: str) -> Optional[str]:
+    files = sorted(Path(err_dir).glob("rank*.txt"), key=lambda p: p.stat().st_mtime)
+    for f in files:
+        text = f.read_text().strip()
+        if text:
+            return text
+    return None
+
+
+def record_error(exc: BaseException) -> None:
+    """A rank's error as one line, for the launching command to print."""
+    d = os.environ.get(ERROR_DIR_ENV)
+    if not d:
+        return
+    rank = os.environ.get("RANK", "0")
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    with open(Path(d) / f"rank{rank}.txt", "w") as f:
+        f.write(f"rank {rank}: {type(exc).__name__}{': ' + msg if msg else ''}\n")
+
+
+def stop_on_sigterm() -> None:
+    """torchrun stops the other ranks with SIGTERM: raise SystemExit so `finally` blocks run (servers stop)."""
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)

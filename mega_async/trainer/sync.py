@@ -1,0 +1,439 @@
+"""Weight sync: the trainer's new weights onto the inference servers; the one owner of the weight version.
+
+    push(): [disk: export HF dir] -> pause bracket { [distributed: resharder buckets -> POST + broadcast]
+            [disk: servers load the dir] -> version += 1 } -> [verify: probe logprobs equal the trainer's]
+
+Three pauses, one bracket (`pause_bracket`), entered in this order and left in reverse in `finally`,
+so no failure leaves anything paused: (1) the executor stops admitting new episodes (running ones go
+on); (2) the client holds every interrupted request instead of resubmitting it; (3) the servers pause
+in abort mode, which answers in-flight requests with their partial output. After the update the
+client resubmits prompt + tokens so far, and the new tokens carry the new version.
+
+Every trainer rank calls `push()` (SPMD). The DP head (global rank 0) owns the bracket and the
+rollout side; each pipeline stage head owns one weight-update group with the servers (built as
+SGLang builds it) and streams its own stage. Failures are agreed across ranks, servers are rolled
+back and continued, the version is left unchanged and `SyncError` is raised on every rank.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import datetime
+import inspect
+import logging
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from mega_async.types import WeightVersion
+
+logger = logging.getLogger("mega_async.trainer.sync")
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed; the servers keep their old weights and version."""
+
+
+class _Loop:
+    """A private event loop thread for the client's HTTP calls: the trainer gets futures, never asyncio.run."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sync-http", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Any, timeout: Optional[float] = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree(error: Optional[str]) -> list[str]:
+    """Every rank's error (None = fine), gathered on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [error] if error else []
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error)
+    return [f"rank {r}: {e}" for r, e in enumerate(every) if e]
+
+
+def _from_rank0(obj: Any) -> Any:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class RolloutSide:
+    """What the DP head pauses and resumes: the executor (may be None) and the SGLang client."""
+
+    def __init__(self, client: Any, executor: Any = None):
+        self.client = client
+        self.executor = executor
+
+
+class WeightSync:
+    """Common part of both modes: the version, the pause bracket, verification. Subclasses `_update`."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
+                 *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
+                 verify_tol: float = 1e-4, temperature: float = 1.0):
+        self.models = list(models)
+        self.version = version
+        self.rollout = rollout if _rank() == 0 else None
+        self.timeout = timeout
+        self._verify_fn = verify
+        self.verify_tol = verify_tol
+        self.temperature = temperature
+        self._loop = _Loop()
+        self.last: dict[str, float] = {}
+
+    # ---- the bracket -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def pause_bracket(self) -> Iterator[None]:
+        """executor stops admitting -> client holds resubmits -> servers pause ... and back, in finally."""
+        r = self.rollout
+        if r is None:
+            yield
+            return
+        if r.executor is not None:
+            r.executor.pause()
+        try:
+            _maybe(r.client, "pause")
+            try:
+                try:
+                    self._wait(r.client.pause_generation())
+                    yield
+                finally:  # also when pausing failed half-way: no server stays paused
+                    self._wait(r.client.continue_generation())
+            finally:
+                _maybe(r.client, "resume")
+        finally:
+            if r.executor is not None:
+                r.executor.resume()
+                r.executor.wake()
+
+    def push(self) -> dict[str, float]:
+        """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError."""
+        t0 = time.perf_counter()
+        target = self.version.value + 1
+        self._prepare(target)  # before the pause (disk: the export), collective
+        with contextlib.ExitStack() as stack:
+            enter_error = None
+            if self.rollout is not None:
+                try:
+                    stack.enter_context(self.pause_bracket())
+                except Exception as e:  # noqa: BLE001 - e.g. a dead server: the bracket has undone itself
+                    enter_error = f"pausing the servers: {type(e).__name__}: {e}"
+            errors = _agree(enter_error)
+            if not errors:
+                errors = _agree(self._update(target))
+                if errors:
+                    self._rollback()  # still inside the bracket: servers drop this sync, then continue
+                elif self.rollout is not None:
+                    self.version.set(target)
+        if errors:
+            self._after_failure()
+            raise SyncError(f"weight sync to version {target} failed; the servers keep version "
+                            f"{self.version.value}: " + "; ".join(errors))
+        self.version.set(_from_rank0(self.version.value))  # every rank's copy follows rank 0's
+        self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
+        if self._verify_fn is not None:
+            self.last["sync/verify_max_abs_diff"] = self.verify()
+        return dict(self.last)
+
+    # ---- verification ------------------------------------------------------------------------
+    def verify(self, prompt_len: int = 6, new_tokens: int = 8) -> float:
+        """Every server's logprobs for a fixed probe equal the trainer's own (`verify_tol`); raises SyncError."""
+        probes: Any = None
+        if self.rollout is not None:
+            client = self.rollout.client
+            prompt = [1 + (7 * i) % 97 for i in range(prompt_len)]
+            payload = {"input_ids": prompt, "return_logprob": True,
+                       "sampling_params": {"max_new_tokens": new_tokens, "temperature": self.temperature,
+                                           "ignore_eos": True}}
+
+            async def all_servers() -> list:
+                return list(await asyncio.gather(*(client.generate_on(i, payload) for i in range(len(client.servers)))))
+
+            try:
+                outs = self._loop.run(all_servers(), self.timeout)
+                probes = [(prompt, o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]],
+                           o["meta_info"].get("weight_version")) for o in outs]
+            except Exception as e:  # noqa: BLE001
+                probes = f"probe failed: {type(e).__name__}: {e}"
+        probes = _from_rank0(probes)
+        if isinstance(probes, str):
+            raise SyncError(f"verify_sync: {probes}")
+        batch = _probe_batch(probes)
+        mine = self._verify_fn(batch)  # collective on every rank
+        worst = 0.0
+        for i, (prompt, out, lps, version) in enumerate(probes):
+            if str(version) != str(self.version.value):
+                raise SyncError(f"verify_sync: server {i} reports weight_version {version!r}, expected "
+                                f"{self.version.value}")
+            want = mine[i, len(prompt):len(prompt) + len(out)]
+            got = torch.tensor([float("-inf") if x is None else float(x) for x in lps])
+            diff = float((got - want).abs().max()) if len(out) else 0.0
+            worst = max(worst, diff)
+        if worst > self.verify_tol:
+            raise SyncError(f"verify_sync: server logprobs differ from the trainer's by {worst:.3g} "
+                            f"(> {self.verify_tol:g}) at version {self.version.value}")
+        return worst
+
+    def _wait(self, result: Any) -> Any:
+        """Wait for a client call: coroutines run on the HTTP thread (the simulator answers at once)."""
+        return self._loop.run(result, self.timeout) if inspect.isawaitable(result) else result
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _prepare(self, target: int) -> None:
+        """Work done before the pause (disk: write the checkpoint)."""
+
+    def _update(self, target: int) -> Optional[str]:
+        """Send the weights inside the bracket; returns this rank's error, or None."""
+        raise NotImplementedError
+
+    def _rollback(self) -> None:
+        fn = getattr(self.rollout.client, "rollback_weights", None) if self.rollout is not None else None
+        if fn is None:
+            return
+        replies = self._wait(fn())
+        for server, reply in zip(getattr(self.rollout.client, "addresses", []), replies):
+            if not (isinstance(reply, dict) and reply.get("success")):
+                logger.warning("server %s could not roll back this sync (%s): it may serve partially updated "
+                               "weights until the next successful sync or a reload", server, reply)
+
+    def _after_failure(self) -> None:
+        """Clean-up after a failed sync (distributed: the groups may be broken)."""
+
+    def close(self) -> None:
+        self._loop.close()
+
+
+def _maybe(obj: Any, method: str) -> None:
+    fn = getattr(obj, method, None)
+    if fn is not None:
+        fn()
+
+
+def _probe_batch(probes: list) -> dict[str, torch.Tensor]:
+    n = len(probes)
+    L = max(len(p) + len(o) for p, o, _, _ in probes)
+    b = {"input_ids": torch.zeros(n, L, dtype=torch.long), "attention_mask": torch.zeros(n, L, dtype=torch.long),
+         "loss_mask": torch.zeros(n, L, dtype=torch.long), "logprobs": torch.zeros(n, L),
+         "versions": torch.full((n, L), -1, dtype=torch.long), "advantages": torch.zeros(n)}
+    for i, (p, o, _, _) in enumerate(probes):
+        ids = list(p) + list(o)
+        b["input_ids"][i, :len(ids)] = torch.tensor(ids)
+        b["attention_mask"][i, :len(ids)] = 1
+        b["loss_mask"][i, len(p):len(ids)] = 1
+    return b
+
+
+class ReloadWeightSync(WeightSync):
+    """No trainer: at each version the servers reload one fixed HF directory (the rollout-only driver);
+    the latency simulator just takes the new version."""
+
+    def __init__(self, version: WeightVersion, rollout: RolloutSide, path: str, **kw: Any):
+        super().__init__([], version, rollout, **kw)
+        self.path = str(Path(path).resolve())
+
+    def _update(self, target: int) -> Optional[str]:
+        client = self.rollout.client if self.rollout is not None else None
+        try:
+            if hasattr(client, "update_weights_from_disk"):
+                self._wait(client.update_weights_from_disk(self.path, target))
+            elif client is not None:
+                client.set_version(target)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        return None
+
+
+class DiskWeightSync(WeightSync):
+    """Weights through a shared directory: every version is an HF checkpoint `<root>/v<N>` (each pipeline
+    stage head writes its own shards), the servers load it, and only the newest `keep` stay."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
+                 root: str | Path, src_dir: Optional[str] = None, keep: int = 2, **kw: Any):
+        super().__init__(models, version, rollout, **kw)
+        self.root = Path(root).resolve()
+        self.src_dir = src_dir
+        self.keep = max(1, keep)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, version: int) -> Path:
+        return self.root / f"v{version}"
+
+    def _prepare(self, target: int) -> None:
+        from mega_async.trainer.weights import save_hf_checkpoint
+
+        t0 = time.perf_counter()
+        save_hf_checkpoint(self.models, self.path(target), src_dir=self.src_dir)
+        self.last = {"export_s": time.perf_counter() - t0}
+
+    def _update(self, target: int) -> Optional[str]:
+        if self.rollout is None:
+            return None
+        t0 = time.perf_counter()
+        try:
+            self._loop.run(self.rollout.client.update_weights_from_disk(str(self.path(target)), target), self.timeout)
+        except Exception as e:  # noqa: BLE001
+            return f"{type(e).__name__}: {e}"
+        self.last["load_s"] = time.perf_counter() - t0
+        return None
+
+    def push(self) -> dict[str, float]:
+        out = super().push()
+        if _rank() == 0:
+            self._prune()
+        return out
+
+    def _prune(self) -> None:
+        v = self.version.value
+        for d in self.root.glob("v*"):
+            if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= v - self.keep:
+                shutil.rmtree(d, ignore_errors=True)
+        for d in self.root.glob("v*.partial"):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _reachable_address(server_addresses: Sequence[str]) -> str:
+    """The local address the servers can reach this host at (the route to the first server)."""
+    host = urlparse(server_addresses[0] if "://" in server_addresses[0] else f"http://{server_addresses[0]}").hostname
+    if host in (None, "localhost") or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # connect() on UDP sends nothing
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+class DistributedWeightSync(WeightSync):
+    """Weights by torch.distributed broadcast: each pipeline stage head owns a weight-update group with
+    every server rank (trainer = rank 0, server i at 1 + its GPUs before it), built as SGLang builds it;
+    per bucket it POSTs /update_weights_from_distributed from the HTTP thread, broadcasts, and checks
+    every reply."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
+                 addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
+                 load_format: str = "flattened_bucket", backend: Optional[str] = None, gpus_per_server: int = 1,
+                 master_address: Optional[str] = None, **kw: Any):
+        from mega_async.trainer.weights import Resharder
+
+        super().__init__(models, version, rollout, **kw)
+        if load_format not in ("flattened_bucket", "tensor"):
+            raise ValueError(f"load_format={load_format!r}: use flattened_bucket or tensor")
+        self.resharder = Resharder(models, bucket_bytes=bucket_bytes)
+        self.load_format = load_format
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.gpus_per_server = gpus_per_server
+        self.group_name = f"mega_async_pp{self.resharder.pp_rank}"
+        self.client: Any = None
+        self.pg: Any = None
+        self._init_error: Optional[str] = None
+        if self.resharder.is_stage_head:
+            from mega_async.inference.client import SGLangClient
+
+            self.client = self.rollout.client if self.rollout is not None else SGLangClient(
+                list(addresses), api_key=api_key, request_timeout=self.timeout)
+            self._init_group(master_address or _reachable_address(addresses))
+        errors = _agree(self._init_error)
+        if errors:
+            self.close()
+            raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
+
+    def _init_group(self, address: str) -> None:
+        from mega_async.comm import free_port, init_custom_process_group
+
+        port = free_port()
+        fut = self._loop.submit(self.client.init_weights_update_group(
+            address, port, self.group_name, backend=self.backend, gpus_per_server=self.gpus_per_server,
+            timeout=self.timeout))
+        world = 1 + self.gpus_per_server * len(self.client.servers)
+        try:
+            self.pg = init_custom_process_group(self.backend, f"tcp://{address}:{port}", world, 0, self.group_name,
+                                                timeout=datetime.timedelta(seconds=self.timeout))
+            fut.result(self.timeout)
+            logger.info("weight-update group %s: trainer + %d server ranks at %s:%d (%s)", self.group_name,
+                        world - 1, address, port, self.backend)
+        except Exception as e:  # noqa: BLE001
+            self._init_error = f"{self.group_name}: {type(e).__name__}: {e}"
+            fut.cancel()
+
+    def _update(self, target: int) -> Optional[str]:
+        error: Optional[str] = None
+        stats = {"bytes": 0, "buckets": 0, "broadcast_s": 0.0, "server_s": 0.0, "bucket_s": 0.0}
+        t_all = time.perf_counter()
+        for bucket in self.resharder.buckets():  # every rank of the stage drains it (collectives)
+            if error is not None or self.pg is None:
+                continue  # keep draining so the stage's other ranks are not left in a gather
+            try:
+                self._send(bucket, target, stats)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+        stats["gather_s"] = self.resharder.stats.get("gather_s", 0.0)
+        stats["total_s"] = time.perf_counter() - t_all
+        self.last = {f"sync/{k}": float(v) for k, v in stats.items()}
+        return error
+
+    def _send(self, bucket: Any, target: int, stats: dict) -> None:
+        t0 = time.perf_counter()
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        if self.load_format == "flattened_bucket":
+            payload = [torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors]).to(dev)]
+        else:
+            payload = [t.to(dev) for t in bucket.tensors]
+        fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
+        fut = self._loop.submit(self.client.update_weights_from_distributed(
+            bucket.names, bucket.dtypes, bucket.shapes, self.group_name, version=target, load_format=fmt,
+            timeout=self.timeout))
+        t1 = time.perf_counter()
+        try:
+            for t in payload:
+                dist.broadcast(t, src=0, group=self.pg)
+        except Exception:
+            fut.cancel()
+            raise
+        t2 = time.perf_counter()
+        fut.result(self.timeout)  # every server's reply; a 400 raises ServerError with its message
+        t3 = time.perf_counter()
+        stats["bucket_s"] += t1 - t0
+        stats["broadcast_s"] += t2 - t1
+        stats["server_s"] += t3 - t2
+        stats["bytes"] += bucket.nbytes
+        stats["buckets"] += 1
+
+    def _after_failure(self) -> None:
+        self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        if self.pg is not None:
+            from mega_async.comm import destroy_custom_process_group
+
+            with contextlib.suppress(Exception):
+                self._loop.run(self.client.destroy_weights_update_group(self.group_name), 10)
+            with contextlib.suppress(Exception):
+                destroy_custom_process_group(self.pg)
+            self.pg = None
+
+    def close(self) -> None:
+        self._destroy_group()
+        super().close()
