@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
@@ -55,20 +55,61 @@ def checkpoint_names(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor
             yield name, t
 
 
-def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False) -> int:
+def check_target(params: dict[str, torch.Tensor], name: str, shape: tuple[int, ...],
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The live tensor `name` fills, after checking that a tensor of `shape` and `dtype` may fill it."""
+    dst = _target(params, name)
+    if tuple(dst.shape) != tuple(shape):
+        raise WeightLoadError(f"weight {name!r} has shape {tuple(shape)}, the model expects {tuple(dst.shape)}")
+    if not (dtype.is_floating_point or dtype == dst.dtype):
+        raise WeightLoadError(f"weight {name!r} has dtype {dtype}, the model expects {dst.dtype}")
+    return dst
+
+
+def check_layout(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+    """Raise WeightLoadError unless every (name, shape, dtype) can be loaded into `model` (no data needed)."""
+    params = dict(model.state_dict(keep_vars=False))
+    for name, shape, dtype in specs:
+        check_target(params, name, shape, dtype)
+
+
+class WeightBackup:
+    """Copy-on-write CPU copies of weights, taken the first time each is overwritten; restored all at once.
+
+    The embedded server keeps one across a pause window so that a failed bucket rolls back every earlier
+    bucket of that window too.
+    """
+
+    def __init__(self) -> None:
+        self._saved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+    def save(self, name: str, dst: torch.Tensor) -> None:
+        if name not in self._saved:
+            self._saved[name] = (dst, dst.detach().to("cpu", copy=True))
+
+    def restore(self) -> int:
+        """Write every saved value back (newest first, so overlapping views end at their oldest value)."""
+        n = len(self._saved)
+        with torch.no_grad():
+            for dst, old in reversed(list(self._saved.values())):
+                dst.copy_(old)
+        self._saved.clear()
+        return n
+
+
+def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False,
+                       backup: Optional[WeightBackup] = None) -> int:
     """Copy tensors into the model by checkpoint name. Validates everything first; restores on failure.
 
-    `strict` requires every model weight to be present (a full checkpoint). Returns tensors loaded.
+    `strict` requires every model weight to be present (a full checkpoint). With `backup`, the old value of
+    each overwritten weight is saved there first (once per weight) and a failure restores the whole backup.
+    Returns tensors loaded.
     """
     params = dict(model.state_dict(keep_vars=False))
-    targets = []
-    for name, t in named:
-        dst = _target(params, name)
-        if tuple(dst.shape) != tuple(t.shape):
-            raise WeightLoadError(f"weight {name!r} has shape {tuple(t.shape)}, the model expects {tuple(dst.shape)}")
-        if not (t.dtype.is_floating_point or t.dtype == dst.dtype):
-            raise WeightLoadError(f"weight {name!r} has dtype {t.dtype}, the model expects {dst.dtype}")
-        targets.append((name, dst, t))
+    targets = [(name, check_target(params, name, tuple(t.shape), t.dtype), t) for name, t in named]
     if strict:
         have = {n for n, _, _ in targets}
         missing = [n for n, _ in checkpoint_names(model) if n not in have]
@@ -76,15 +117,14 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
         missing = [n for n in missing if not (tied and n == "lm_head.weight")]
         if missing:
             raise WeightLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
-    backup = [(dst, dst.detach().clone()) for _, dst, _ in targets]
+    undo = backup if backup is not None else WeightBackup()
     try:
         with torch.no_grad():
-            for _, dst, t in targets:
+            for name, dst, t in targets:
+                undo.save(name, dst)
                 dst.copy_(t.to(dst.dtype))
     except BaseException:
-        with torch.no_grad():
-            for dst, old in backup:
-                dst.copy_(old)
+        undo.restore()
         raise
     return len(targets)
 

@@ -183,15 +183,19 @@ def test_failed_updates_answer_400_and_keep_old_weights(server, hf_models, weigh
 
 def _trainer_rank0(port: int, names: list, path: str, q) -> None:
     """A separate process acting as trainer rank 0: join the group, broadcast new weights in order."""
+    import datetime
+
+    import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from mega_async.inference.dist_group import WeightGroup
+    from mega_async.comm import init_custom_process_group
 
     try:
-        g = WeightGroup("gloo", "127.0.0.1", port, 2, 0, "wu")
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wu", datetime.timedelta(seconds=60))
         sd = load_file(path)
         for n in names:
-            g.broadcast(sd[n].contiguous(), src=0)
+            dist.broadcast(sd[n].contiguous(), src=0, group=pg)
+        dist.destroy_process_group(pg)
         q.put("ok")
     except Exception as e:  # noqa: BLE001
         q.put(repr(e))

@@ -1,0 +1,50 @@
+"""Command line of the embedded server: `python -m mega_async.inference.server --model DIR --port N`."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from aiohttp import web
+
+from mega_async.inference.server.app import DTYPES, EmbeddedServer
+
+logger = logging.getLogger("mega_async.inference.server")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="mega_async embedded inference server (SGLang protocol)")
+    p.add_argument("--model", "--model-path", dest="model", required=True, help="HF-format model directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--weights-root", default=None, help="weight updates load only from directories under this root "
+                   "(default: the model directory's parent)")
+    p.add_argument("--api-key", default=os.environ.get("MEGA_ASYNC_API_KEY"))
+    p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--random-seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); give each of N servers on one host cores/N")
+    p.add_argument("--weight-update-timeout", type=float, default=300.0,
+                   help="seconds a weight-update group waits for its peers (rendezvous and each broadcast) when "
+                        "/init_weights_update_group gives no timeout")
+    p.add_argument("--log-level", default="INFO")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (Path(args.model) / "config.json").exists():
+        raise SystemExit(f"--model {args.model}: no config.json there; pass an HF-format model directory")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    server = EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
+                            api_key=args.api_key, max_batch_size=args.max_running_requests, seed=args.random_seed,
+                            host=args.host, port=args.port, weight_update_timeout_s=args.weight_update_timeout)
+    logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)

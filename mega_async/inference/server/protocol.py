@@ -1,0 +1,278 @@
+"""SGLang's wire format for the embedded server: request parsing and validation, response bodies. No I/O.
+
+Schema problems (a missing field, a wrong type) raise `BadRequest`, answered with SGLang's OpenAI-style
+400 body. Weight requests that are well-formed but cannot be served raise `Refused`, answered with
+`{"success": false, "message": ...}` and 400, as SGLang answers a failed weight operation.
+"""
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from mega_async.inference.engine import GenRequest
+
+DEFAULT_GROUP = "weight_update_group"
+FLATTENED_BUCKET = "flattened_bucket"
+PLAIN_LOAD_FORMATS = (None, "auto")  # one broadcast per tensor, in list order
+# dtypes a weight broadcast may carry: SGLang resolves the string with getattr(torch, dtype)
+WIRE_DTYPES = {n: getattr(torch, n) for n in (
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "int8", "int16", "int32", "int64", "long", "uint8", "bool") if isinstance(getattr(torch, n, None), torch.dtype)}
+MAX_DIMS = 8
+
+
+class BadRequest(Exception):
+    """Invalid request: SGLang answers these with its OpenAI-style error body."""
+
+
+class Refused(ValueError):
+    """A weight request the server will not run (answered 400 with success=false)."""
+
+
+def validation_error_body(msg: str) -> dict:
+    return {"object": "error", "message": msg, "type": "Bad Request", "param": None, "code": 400}
+
+
+def handler_error_body(msg: str) -> dict:
+    return {"error": {"message": msg}}
+
+
+def result_body(success: bool, message: str, **extra: Any) -> dict:
+    return {"success": success, "message": message, **extra}
+
+
+def clean(x: Any) -> Any:
+    """NaN/inf -> null, as SGLang's ORJSON serialisation does."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, list):
+        return [clean(v) for v in x]
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    return x
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---- /generate -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GenerateLimits:
+    vocab_size: int
+    max_context: int
+    max_new_tokens_cap: int
+    tokenizer: Any = None
+
+
+def _number(sp: dict, key: str, default: Any, kind: type) -> Any:
+    v = sp.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+        raise BadRequest(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+    return kind(v)
+
+
+def _prompt_ids(body: dict, idx: Optional[int], lim: GenerateLimits) -> list[int]:
+    ids, text = body.get("input_ids"), body.get("text")
+    if idx is not None:
+        ids = ids[idx] if ids is not None else None
+        text = text[idx] if text is not None else None
+    if ids is None:
+        if text is None:
+            raise BadRequest("either text or input_ids should be provided")
+        if lim.tokenizer is None:
+            raise BadRequest("this server has no tokenizer: send input_ids")
+        if not isinstance(text, str):
+            raise BadRequest("text must be a string")
+        ids = lim.tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
+        raise BadRequest("input_ids must be a non-empty list of integers")
+    bad = [t for t in ids if not 0 <= t < lim.vocab_size]
+    if bad:
+        raise BadRequest(f"input_ids contain token id {bad[0]} outside [0, {lim.vocab_size})")
+    return ids
+
+
+def parse_generate(body: dict, idx: Optional[int], lim: GenerateLimits) -> tuple[GenRequest, bool]:
+    """One prompt of a /generate body (prompt `idx` of a batch) -> (request, return_logprob)."""
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise BadRequest("sampling_params must be an object")
+    ids = _prompt_ids(body, idx, lim)
+    max_new = _number(sp, "max_new_tokens", 128, int)
+    temperature = _number(sp, "temperature", 1.0, float)
+    top_p = _number(sp, "top_p", 1.0, float)
+    top_k = _number(sp, "top_k", -1, int)
+    if max_new < 0:
+        raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}")
+    if max_new > lim.max_new_tokens_cap or len(ids) + max_new > lim.max_context:
+        raise BadRequest(
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the context length {lim.max_context}")
+    if temperature < 0:
+        raise BadRequest(f"temperature must be non-negative, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 1 and top_k != -1:
+        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}")
+    stop_ids = sp.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of integers")
+    stop = sp.get("stop") or []
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a string or a list of strings")
+    rid = body.get("rid")
+    if idx is not None and isinstance(rid, list):
+        rid = rid[idx]
+    rid = str(rid) if rid is not None else uuid.uuid4().hex
+    if idx is not None and body.get("rid") is not None and not isinstance(body.get("rid"), list):
+        rid = f"{rid}-{idx}"
+    req = GenRequest(rid=rid, input_ids=list(ids), max_new_tokens=max_new, temperature=temperature, top_p=top_p,
+                     top_k=top_k, stop_token_ids=set(stop_ids), stop=stop, ignore_eos=bool(sp.get("ignore_eos", False)))
+    return req, bool(body.get("return_logprob", False))
+
+
+# ---- weight-update group -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class GroupInit:
+    master_address: str
+    master_port: int
+    rank: int  # rank_offset + tp_rank; the embedded server is one "GPU", tp_rank 0
+    world_size: int
+    group_name: str
+    backend: str
+    timeout_s: float
+
+
+def _required(body: dict, key: str, check: Any, what: str) -> Any:
+    if key not in body:
+        raise BadRequest(f"field required: {key}")
+    v = body[key]
+    if not check(v):
+        raise BadRequest(f"{key} must be {what}, got {v!r}")
+    return v
+
+
+def parse_group_name(body: dict) -> str:
+    name = body.get("group_name", DEFAULT_GROUP)
+    if not isinstance(name, str) or not name:
+        raise BadRequest(f"group_name must be a non-empty string, got {name!r}")
+    return name
+
+
+def parse_init_group(body: dict, *, cuda: bool, default_timeout_s: float) -> GroupInit:
+    """An /init_weights_update_group body. Backend default: nccl with CUDA (SGLang's default), else gloo."""
+    addr = _required(body, "master_address", lambda v: isinstance(v, str) and v, "a non-empty string")
+    port = _required(body, "master_port", lambda v: _is_int(v) and 0 < v < 65536, "a TCP port number")
+    rank = _required(body, "rank_offset", _is_int, "an integer")
+    world = _required(body, "world_size", _is_int, "an integer")
+    name = parse_group_name(body)
+    backend = body.get("backend") or ("nccl" if cuda else "gloo")
+    timeout = body.get("timeout", None)
+    timeout = default_timeout_s if timeout is None else timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < 1e7:
+        raise BadRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if backend not in ("gloo", "nccl"):
+        raise Refused(f"backend {backend!r} is not supported: use gloo (CPU) or nccl (CUDA)")
+    if backend == "nccl" and not cuda:
+        raise Refused("backend 'nccl' needs CUDA, and this server runs without it: ask for backend 'gloo'")
+    if world < 2:
+        raise Refused(f"world_size must be at least 2 (trainer rank 0 plus this server), got {world}")
+    if not 1 <= rank < world:
+        raise Refused(f"rank_offset {rank} must be in [1, world_size={world}): rank 0 is the trainer")
+    return GroupInit(addr, port, rank, world, name, backend, float(timeout))
+
+
+# ---- /update_weights_from_distributed ----------------------------------------------------------
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class DistributedUpdate:
+    specs: list[TensorSpec]
+    group_name: str
+    flattened: bool  # load_format flattened_bucket: one uint8 broadcast for the whole bucket
+    weight_version: Optional[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+
+def parse_dtype(x: Any) -> torch.dtype:
+    """'bfloat16' (what trainers send: str(dtype) without 'torch.') or 'torch.bfloat16'."""
+    name = x[len("torch."):] if isinstance(x, str) and x.startswith("torch.") else x
+    if not isinstance(name, str) or name not in WIRE_DTYPES:
+        raise Refused(f"unsupported dtype {x!r}; use one of {sorted(WIRE_DTYPES)}")
+    return WIRE_DTYPES[name]
+
+
+def _shape(x: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(x, list) or len(x) > MAX_DIMS or not all(_is_int(d) for d in x):
+        raise Refused(f"shape of {name!r} must be a list of at most {MAX_DIMS} integers, got {x!r}")
+    if any(d < 0 for d in x):
+        raise Refused(f"shape of {name!r} has a negative size: {x}")
+    return tuple(x)
+
+
+def parse_update_distributed(body: dict, max_bytes: int) -> DistributedUpdate:
+    """Validate a bucket's layout completely, so that no collective is joined for a malformed request."""
+    names = _required(body, "names", lambda v: isinstance(v, list), "a list")
+    dtypes = _required(body, "dtypes", lambda v: isinstance(v, list), "a list")
+    shapes = _required(body, "shapes", lambda v: isinstance(v, list), "a list")
+    group = parse_group_name(body)
+    fmt = body.get("load_format")
+    if fmt not in PLAIN_LOAD_FORMATS and fmt != FLATTENED_BUCKET:
+        raise Refused(f"load_format {fmt!r} is not supported: omit it (one broadcast per tensor) or use "
+                      f"{FLATTENED_BUCKET!r} (one uint8 broadcast per bucket)")
+    if not len(names) == len(dtypes) == len(shapes):
+        raise Refused(f"names, dtypes and shapes must have the same length, got {len(names)}, {len(dtypes)} "
+                      f"and {len(shapes)}")
+    if not all(isinstance(n, str) and n for n in names):
+        raise Refused("names must be non-empty strings")
+    if fmt == FLATTENED_BUCKET and not names:
+        raise Refused("a flattened_bucket update needs at least one tensor (SGLang: cannot create empty tensor bucket)")
+    specs = [TensorSpec(n, parse_dtype(d), _shape(s, n)) for n, d, s in zip(names, dtypes, shapes)]
+    version = body.get("weight_version")
+    upd = DistributedUpdate(specs, group, fmt == FLATTENED_BUCKET, None if version is None else str(version))
+    if upd.nbytes > max_bytes:
+        raise Refused(f"bucket of {upd.nbytes} bytes exceeds this server's limit of {max_bytes} bytes "
+                      "(8 bytes per model parameter)")
+    return upd
+
+
+def byte_ranges(specs: list[TensorSpec]) -> list[tuple[int, int]]:
+    """[start, end) of each tensor in a flattened bucket: the bytes of each tensor in order, no padding."""
+    out, pos = [], 0
+    for s in specs:
+        out.append((pos, pos + s.nbytes))
+        pos += s.nbytes
+    return out
+
+
+def unflatten(flat: torch.Tensor, specs: list[TensorSpec]) -> list[tuple[str, torch.Tensor]]:
+    """SGLang's FlattenedTensorBucket.reconstruct_tensors: flat[start:end].view(dtype).reshape(shape).
+
+    A slice whose offset is not a multiple of its dtype's size is copied first (SGLang's view would fail).
+    """
+    out = []
+    for s, (a, b) in zip(specs, byte_ranges(specs)):
+        part = flat[a:b]
+        if a % s.dtype.itemsize:
+            part = part.clone()
+        out.append((s.name, part.view(s.dtype).reshape(s.shape)))
+    return out

@@ -1,0 +1,236 @@
+"""Weight updates of the embedded server: from disk, and by broadcast over an SGLang-built process group.
+
+A bucket is validated before any collective: a malformed layout is refused without joining one; a
+well-formed layout that does not fit the model is still received (into scratch, so the trainer's
+broadcast completes) and then refused. Outside a pause every update is all-or-nothing by itself.
+Between /pause_generation and /continue_generation the first write to each weight keeps a CPU copy
+of its old value; if any update of that window fails, every weight and the weight version go back to
+where they were at the pause, and later updates of the window are refused until /continue_generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Optional
+
+import torch
+
+from mega_async.inference.dist_group import WeightGroup
+from mega_async.inference.engine import GenerationEngine
+from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate, Refused, parse_group_name,
+                                                  parse_init_group, parse_update_distributed, result_body, unflatten)
+from mega_async.inference.weights import (WeightBackup, WeightLoadError, check_layout, load_named_tensors,
+                                          read_safetensors_dir)
+
+logger = logging.getLogger("mega_async.inference.server.updates")
+
+Reply = tuple[int, dict]
+
+
+def in_thread(fn: Callable[[], Any]) -> Awaitable[Any]:
+    """Run a blocking call (rendezvous, broadcast) in a daemon thread, so a stuck peer never blocks shutdown."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def run() -> None:
+        try:
+            res, exc = fn(), None
+        except BaseException as e:  # noqa: BLE001 - delivered to the awaiting handler
+            res, exc = None, e
+        loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(exc) if exc else fut.set_result(res)))
+
+    threading.Thread(target=run, name="weight-sync", daemon=True).start()
+    return fut
+
+
+def receive(group: WeightGroup, upd: DistributedUpdate, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """SGLang's receiver: one broadcast(src=0) per tensor in list order, or one uint8 buffer per flattened bucket."""
+    if upd.flattened:
+        flat = torch.empty(upd.nbytes, dtype=torch.uint8, device=device)
+        try:
+            group.broadcast(flat, src=0)
+        except Exception as e:
+            raise RuntimeError(f"for the flattened bucket of {upd.nbytes} bytes: {type(e).__name__}: {e}") from e
+        return unflatten(flat, upd.specs)
+    out = []
+    for i, s in enumerate(upd.specs):
+        t = torch.empty(s.shape, dtype=s.dtype, device=device)
+        try:
+            group.broadcast(t, src=0)
+        except Exception as e:
+            raise RuntimeError(f"at tensor {i + 1} of {len(upd.specs)} ({s.name}): {type(e).__name__}: {e}") from e
+        out.append((s.name, t))
+    return out
+
+
+class PauseWindow:
+    """What a pause window needs to undo itself: the version at the pause and copy-on-write backups."""
+
+    def __init__(self, version: str) -> None:
+        self.version_before = version
+        self.backup = WeightBackup()
+        self.failed: Optional[str] = None
+
+
+class WeightUpdates:
+    """The weight endpoints' logic; each handler takes the JSON body and returns (status, reply body)."""
+
+    def __init__(self, engine: GenerationEngine, exclusive: Callable[[dict, Callable[[], Any]], Awaitable[Any]],
+                 weights_root: Path, default_timeout_s: float = 300.0) -> None:
+        self.engine = engine
+        self._exclusive = exclusive  # runs fn on the engine thread (writer lock unless paused)
+        self.weights_root = weights_root
+        self.default_timeout_s = default_timeout_s
+        self.cuda = engine.device.type == "cuda"
+        self.max_bucket_bytes = 8 * sum(t.numel() for t in engine.model.state_dict().values()) + (1 << 20)
+        self.groups: dict[str, WeightGroup] = {}
+        self._joining: set[str] = set()
+        self._window: Optional[PauseWindow] = None
+        self._lock = asyncio.Lock()  # one bucket at a time: receive and apply in arrival order
+
+    # ---- pause window --------------------------------------------------------------------------
+    def open_window(self) -> None:
+        if self._window is None:
+            self._window = PauseWindow(self.engine.weight_version)
+
+    def close_window(self) -> None:
+        self._window = None  # backups dropped
+
+    async def _failed(self, window: Optional[PauseWindow], what: str, why: str,
+                      outside: str = "The weights are unchanged.") -> Reply:
+        """400 for a failed update; inside a pause window, roll the whole window back first."""
+        if window is None:
+            return 400, result_body(False, f"{what}: {why}. {outside}")
+        window.failed = window.failed or why
+        n = await asyncio.wrap_future(self.engine.run_command(window.backup.restore))
+        self.engine.weight_version = window.version_before
+        logger.warning("%s (%s): rolled back %d tensors to weight version %s", what, why, n, window.version_before)
+        return 400, result_body(False, f"{what}: {why}. Rolled back every weight updated since /pause_generation "
+                                       f"({n} tensors) and the weight version to {window.version_before!r}.")
+
+    def _poisoned(self, window: Optional[PauseWindow]) -> Optional[str]:
+        if window is None or window.failed is None:
+            return None
+        return (f"an earlier weight update since /pause_generation failed ({window.failed}) and was rolled back; "
+                "call /continue_generation and send the weights again")
+
+    def _set_version(self, body: dict) -> str:
+        v = body.get("weight_version")
+        if v is None:
+            return ""
+        self.engine.weight_version = str(v)
+        return f" Weight version updated to {v}."
+
+    async def _load(self, body: dict, named: list, strict: bool, window: Optional[PauseWindow]) -> int:
+        backup = window.backup if window is not None else None
+        return await self._exclusive(body, lambda: load_named_tensors(self.engine.model, named, strict, backup))
+
+    # ---- /update_weights_from_disk -------------------------------------------------------------
+    def _allowed_dir(self, path: Any) -> Path:
+        if not isinstance(path, str) or not path:
+            raise WeightLoadError("model_path must be a non-empty string")
+        p = Path(path).resolve()
+        if not p.is_relative_to(self.weights_root):
+            raise WeightLoadError(f"model_path {path} is outside the allowed weights root {self.weights_root} "
+                                  "(start the server with --weights-root)")
+        if not p.is_dir():
+            raise WeightLoadError(f"model_path {path} is not a directory")
+        return p
+
+    async def from_disk(self, body: dict) -> Reply:
+        window = self._window
+        loop = asyncio.get_running_loop()
+        try:
+            if self._poisoned(window):
+                raise WeightLoadError(self._poisoned(window))
+            d = self._allowed_dir(body.get("model_path"))
+            fmt = body.get("load_format")
+            if fmt not in (None, "auto", "safetensors"):
+                raise WeightLoadError(f"load_format {fmt!r} is not supported (safetensors only)")
+            tensors = await loop.run_in_executor(None, lambda: list(read_safetensors_dir(d)))
+            async with self._lock:
+                n = await self._load(body, tensors, True, window)
+        except (WeightLoadError, OSError, ValueError, RuntimeError) as e:
+            status, reply = await self._failed(window, "Failed to update weights", str(e),
+                                               "Rolled back to the previous weights.")
+            return status, {**reply, "num_paused_requests": 0}
+        note = self._set_version(body)
+        logger.info("loaded %d tensors from %s (version %s)", n, d, self.engine.weight_version)
+        return 200, result_body(True, "Succeeded to update model weights." + note, num_paused_requests=0)
+
+    # ---- group ---------------------------------------------------------------------------------
+    async def init_group(self, body: dict) -> Reply:
+        try:
+            req = parse_init_group(body, cuda=self.cuda, default_timeout_s=self.default_timeout_s)
+            if req.group_name in self.groups or req.group_name in self._joining:
+                raise Refused(f"group {req.group_name!r} already exists; destroy it first")
+        except Refused as e:
+            return 400, result_body(False, f"Failed to initialize custom process group: {e}.")
+        self._joining.add(req.group_name)
+        logger.info("joining weight group %r: rank %d of %d at %s:%d (%s, timeout %.0fs)", req.group_name, req.rank,
+                    req.world_size, req.master_address, req.master_port, req.backend, req.timeout_s)
+        try:
+            self.groups[req.group_name] = await in_thread(lambda: WeightGroup(
+                req.backend, req.master_address, req.master_port, req.world_size, req.rank, req.group_name,
+                req.timeout_s))
+        except Exception as e:  # noqa: BLE001 - rendezvous/backend errors: nothing was registered
+            logger.warning("joining weight group %r failed: %s", req.group_name, e)
+            return 400, result_body(False, f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
+        finally:
+            self._joining.discard(req.group_name)
+        return 200, result_body(True, "Succeeded to initialize custom process group.")
+
+    async def destroy_group(self, body: dict) -> Reply:
+        name = parse_group_name(body)
+        async with self._lock:  # never tear a group down under a broadcast in flight
+            g = self.groups.pop(name, None)
+            if g is None:
+                return 400, result_body(False, "The group to be destroyed does not exist.")
+            await in_thread(g.destroy)
+        return 200, result_body(True, "Succeeded to destroy custom process group.")
+
+    # ---- /update_weights_from_distributed ------------------------------------------------------
+    def _precheck(self, body: dict) -> tuple[DistributedUpdate, WeightGroup]:
+        """Everything that must hold before joining a collective (else Refused: the trainer sent garbage)."""
+        upd = parse_update_distributed(body, self.max_bucket_bytes)
+        group = self.groups.get(upd.group_name)
+        if group is None:
+            raise Refused(f"no weight update group {upd.group_name!r}: call /init_weights_update_group first")
+        if group.broken is not None:
+            raise Refused(f"group {upd.group_name!r} is broken ({group.broken}); destroy it and init a new one")
+        return upd, group
+
+    async def from_distributed(self, body: dict) -> Reply:
+        window = self._window
+        what = "Failed to update parameter online"
+        try:
+            upd, group = self._precheck(body)
+        except Refused as e:
+            return await self._failed(window, what, str(e))
+        except BadRequest as e:  # answered with the validation body; a pause window still rolls back
+            if window is not None:
+                await self._failed(window, what, str(e))
+            raise
+        problem = self._poisoned(window)  # the layout is known: receive, then refuse
+        if problem is None:
+            try:
+                check_layout(self.engine.model, [(s.name, s.shape, s.dtype) for s in upd.specs])
+            except WeightLoadError as e:
+                problem = str(e)
+        async with self._lock:
+            try:
+                named = await in_thread(lambda: receive(group, upd, self.engine.device))
+            except Exception as e:  # noqa: BLE001 - peer died, timeout, size mismatch: the group is now broken
+                return await self._failed(window, what, f"receiving the broadcast failed {e}; group "
+                                                        f"{upd.group_name!r} is broken, destroy it")
+            if problem is not None:
+                return await self._failed(window, what, problem)
+            try:
+                n = await self._load(body, named, False, window)
+            except (WeightLoadError, RuntimeError, ValueError) as e:
+                return await self._failed(window, what, str(e))
+        logger.info("loaded %d tensors (%d bytes%s) from group %r", n, upd.nbytes,
+                    ", flattened" if upd.flattened else "", upd.group_name)
+        return 200, result_body(True, "Succeeded to update parameter online." + self._set_version(body))
