@@ -346,6 +346,22 @@ def test_failed_bucket_in_pause_window_restores_the_old_weights(server, hf_model
     assert serves(addr, hf_models["v0"])
 
 
+def test_rollback_on_request_undoes_the_pause_window(server, hf_models, weights_root):
+    """/rollback_weights (what the trainer's sync calls when a push failed elsewhere) restores the pause state."""
+    addr = server.addresses[0]
+    assert post(addr, "/rollback_weights", {})[0] == 400  # not paused: nothing to undo
+    assert post(addr, "/pause_generation", {"mode": "abort"})[0] == 200
+    try:
+        st, out = post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v1"),
+                                                           "weight_version": "1"})
+        assert st == 200 and version(addr) == "1", out
+        st, out = post(addr, "/rollback_weights", {})
+        assert st == 200 and out["success"] and version(addr) == "0", out
+    finally:
+        assert post(addr, "/continue_generation", {})[0] == 200
+    assert serves(addr, hf_models["v0"])
+
+
 def test_sender_dies_mid_broadcast(server, hf_models, weights_root, tmp_path):
     """The trainer exits after the first tensor of a bucket: 400 with the error, old weights, still serving."""
     addr, src = server.addresses[0], str(weights_root / "v1" / "model.safetensors")

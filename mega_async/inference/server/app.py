@@ -100,6 +100,7 @@ class EmbeddedServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/rollback_weights", self.rollback_weights)
         for path in ("/model_info", "/get_model_info"):
             r.add_get(path, self.model_info)
         for path in ("/server_info", "/get_server_info"):
@@ -282,6 +283,9 @@ class EmbeddedServer:
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         return await self._reply(request, self.updates.destroy_group)
+
+    async def rollback_weights(self, request: web.Request) -> web.Response:
+        return await self._reply(request, self.updates.rollback)
 
     # ---- information -----------------------------------------------------------------------
     async def model_info(self, request: web.Request) -> web.Response:

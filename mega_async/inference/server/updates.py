@@ -110,6 +110,23 @@ class WeightUpdates:
         return 400, result_body(False, f"{what}: {why}. Rolled back every weight updated since /pause_generation "
                                        f"({n} tensors) and the weight version to {window.version_before!r}.")
 
+    async def rollback(self, body: dict) -> Reply:
+        """POST /rollback_weights (a mega_async extension, not SGLang): undo every update since the pause.
+
+        The trainer's sync calls it when a push failed anywhere (another server, the trainer itself), so every
+        server is back at its pause-time weights. The window then starts afresh: later updates are accepted.
+        """
+        async with self._lock:
+            window = self._window
+            if window is None:
+                return 400, result_body(False, "Nothing to roll back: generation is not paused "
+                                               "(/rollback_weights undoes the weight updates since /pause_generation).")
+            n = await asyncio.wrap_future(self.engine.run_command(window.backup.restore))
+            self.engine.weight_version = window.version_before
+            self._window = PauseWindow(window.version_before)
+        logger.info("rolled back %d tensors to weight version %s on request", n, window.version_before)
+        return 200, result_body(True, f"Rolled back {n} tensors to weight version {window.version_before}.")
+
     def _poisoned(self, window: Optional[PauseWindow]) -> Optional[str]:
         if window is None or window.failed is None:
             return None
