@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import os
 import socket
 from typing import Any, Optional
 
@@ -40,7 +41,14 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     if not group_name:
         raise ValueError("group_name must be a non-empty string")
     timeout = timeout or default_pg_timeout
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    # under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rendezvous a client of the agent's store;
+    # this group's rank 0 must host its own store at init_method instead
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     # the options argument was renamed from pg_options to backend_options in PyTorch 2.6
