@@ -183,7 +183,11 @@ class WeightSync:
         probes = _from_rank0(probes)
         if isinstance(probes, str):
             raise SyncError(f"verify_sync: {probes}")
-        batch = _probe_batch(probes)
+        from megatron.core import parallel_state as mpu
+
+        # pipeline schedules need at least 2 x PP micro-batches: repeat the probes to fill them
+        rows = max(len(probes), 4 * mpu.get_pipeline_model_parallel_world_size())
+        batch = _probe_batch([probes[i % len(probes)] for i in range(rows)])
         mine = self._verify_fn(batch)  # collective on every rank
         worst = 0.0
         for i, (prompt, out, lps, version) in enumerate(probes):
