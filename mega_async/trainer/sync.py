@@ -123,7 +123,9 @@ class WeightSync:
                     self._wait(r.client.pause_generation())
                     yield
                 finally:  # also when pausing failed half-way: no server stays paused
-                    self._wait(r.client.continue_generation())
+                    cont = r.client.continue_generation()
+                    if inspect.isawaitable(cont):
+                        self._loop.run(cont, 2 * self.timeout + 10)
             finally:
                 _maybe(r.client, "resume")
         finally:
@@ -147,6 +149,7 @@ class WeightSync:
             if not errors:
                 errors = _agree(self._update(target))
                 if errors:
+                    self._abort()  # a receive still waiting on a broken group fails now instead of at its timeout
                     self._rollback()  # still inside the bracket: servers drop this sync, then continue
                 elif self.rollout is not None:
                     self.version.set(target)
@@ -219,11 +222,18 @@ class WeightSync:
         fn = getattr(self.rollout.client, "rollback_weights", None) if self.rollout is not None else None
         if fn is None:
             return
-        replies = self._wait(fn())
+        try:  # a server may first finish a receive that is failing: allow it its own timeout too
+            replies = self._loop.run(fn(), 2 * self.timeout + 10)
+        except Exception as e:  # noqa: BLE001 - the run stops anyway; continue_generation comes next
+            logger.warning("rolling back the servers failed: %s: %s", type(e).__name__, e)
+            return
         for server, reply in zip(getattr(self.rollout.client, "addresses", []), replies):
             if not (isinstance(reply, dict) and reply.get("success")):
                 logger.warning("server %s could not roll back this sync (%s): it may serve partially updated "
                                "weights until the next successful sync or a reload", server, reply)
+
+    def _abort(self) -> None:
+        """Right after a failure, before the rollback (distributed: drop this rank's side of the group)."""
 
     def _after_failure(self) -> None:
         """Clean-up after a failed sync (distributed: the groups may be broken)."""
@@ -413,8 +423,13 @@ class DistributedWeightSync(WeightSync):
         try:
             for t in payload:
                 dist.broadcast(t, src=0, group=self.pg)
-        except Exception:
-            fut.cancel()
+        except Exception as e:
+            try:  # a server's own answer (refused, 400) says more than the broken broadcast
+                fut.result(1.0)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+            except Exception as http:  # noqa: BLE001
+                raise SyncError(f"{http} (broadcast: {type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
             raise
         t2 = time.perf_counter()
         fut.result(self.timeout)  # every server's reply; a 400 raises ServerError with its message
@@ -425,18 +440,25 @@ class DistributedWeightSync(WeightSync):
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1
 
+    def _abort(self) -> None:
+        if self.pg is not None:  # closing our end makes the servers' pending receives fail at once
+            from mega_async.comm import destroy_custom_process_group
+
+            with contextlib.suppress(Exception):
+                destroy_custom_process_group(self.pg)
+            self.pg = None
+            self._group_on_servers = True
+
     def _after_failure(self) -> None:
         self._destroy_group()
 
     def _destroy_group(self) -> None:
-        if self.pg is not None:
-            from mega_async.comm import destroy_custom_process_group
-
+        had = self.pg is not None or getattr(self, "_group_on_servers", False)
+        self._abort()
+        if had and self.client is not None:
             with contextlib.suppress(Exception):
-                self._loop.run(self.client.destroy_weights_update_group(self.group_name), 10)
-            with contextlib.suppress(Exception):
-                destroy_custom_process_group(self.pg)
-            self.pg = None
+                self._loop.run(self.client.destroy_weights_update_group(self.group_name), 2 * self.timeout + 10)
+            self._group_on_servers = False
 
     def close(self) -> None:
         self._destroy_group()

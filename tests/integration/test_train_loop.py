@@ -1,5 +1,5 @@
-"""The tiny CPU training run end to end: embedded server + rollout executor + Megatron trainer +
-weight updates from disk, a few steps."""
+"""The tiny CPU training run end to end in this process: embedded server + rollout executor + Megatron
+trainer + weight updates from disk (the distributed sync is tested in test_train_driver.py)."""
 import json
 import math
 import subprocess
@@ -19,12 +19,13 @@ def test_tiny_training_run(tmp_path):
     model = init_random_weights(TINY_MOE, tmp_path / "model", seed=0)
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
         f"logging.root_dir={tmp_path / 'runs'}", f"model.path={model}", "trainer.total_steps=3",
-        "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16"])
+        "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16", "trainer.weight_sync=disk"])
     history = run_training(cfg)
     assert [h["version"] for h in history] == [1, 2, 3]
     for h in history:
         assert h["train/tokens"] > 0 and math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0
         assert 0 <= h["train/staleness"] <= cfg.rollout.max_staleness
+        assert h["sync/verify_max_abs_diff"] < 1e-4  # the server serves exactly the trainer's weights
     run = cfg.run_dir
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
@@ -33,6 +34,9 @@ def test_tiny_training_run(tmp_path):
     assert versions == ["v2", "v3"]  # older versions pruned
     new, old = load_file(str(run / "weights" / "v3" / "model.safetensors")), load_file(str(model / "model.safetensors"))
     assert new.keys() == old.keys() and max((new[k] - old[k]).abs().max().item() for k in old) > 0
+    final = load_file(str(run / "final_hf" / "model.safetensors"))  # the end-of-run HF checkpoint
+    assert final.keys() == new.keys() and all(final[k].equal(new[k]) for k in new)
+    assert (run / "final_hf" / "config.json").exists() and (run / "final_hf" / "tokenizer.json").exists()
     # the servers were stopped with the run
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(model) not in ps
