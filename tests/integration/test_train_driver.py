@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from mega_async.inference.launch import ServerLauncher, ServerSpec
 from mega_async.model_cards import TINY_MOE, init_random_weights
@@ -67,10 +67,14 @@ def test_multi_rank_run_with_distributed_sync(model, tmp_path, allocation):
     for s in steps:
         assert s["sync/verify_max_abs_diff"] < 1e-4  # every server serves the trainer's weights
         assert s["sync/bytes"] > 0 and s["sync/buckets"] >= 1 and s["train/tokens"] > 0
-    final = load_file(str(run / "final_hf" / "model.safetensors"))
+    shards = sorted((run / "final_hf").glob("*.safetensors"))  # with PP each stage head writes its own shard
+    assert len(shards) == 1 or (run / "final_hf" / "model.safetensors.index.json").exists()
+    final = {k: v for f in shards for k, v in load_file(str(f)).items()}
     src = load_file(str(model / "model.safetensors"))
     assert final.keys() == src.keys() and any(not final[k].equal(src[k]) for k in src)
     assert (run / "final_hf" / "tokenizer.json").exists()
+    hf = AutoModelForCausalLM.from_pretrained(run / "final_hf", dtype="float32")  # an ordinary HF checkpoint
+    assert hf.model.embed_tokens.weight.equal(final["model.embed_tokens.weight"])
     assert len(list((run / "server_logs").glob("server*.log"))) == servers
     assert not leftovers(tmp_path)
 
