@@ -72,7 +72,7 @@ def worker(args: argparse.Namespace) -> None:
     launcher = None
     addresses = None
     if rank0:
-        launcher = ServerLauncher(ServerSpec("embedded", args.model, num_threads=1), log_dir=args.logs)
+        launcher = ServerLauncher(ServerSpec("embedded", args.model, num_threads=1), log_dir=args.server_logs)
         addresses = launcher.start()
     box = [addresses]
     if dist.get_world_size() > 1:
@@ -132,7 +132,7 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--layout", help=argparse.SUPPRESS)
-    ap.add_argument("--logs", help=argparse.SUPPRESS)
+    ap.add_argument("--server-logs", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -146,7 +146,7 @@ def main() -> int:
     for layout in args.layouts.split(","):
         n = parse_allocation(layout).train.world_size
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={free_port()}",
-               __file__, "--worker", "--model", str(model), "--layout", layout, "--out", out, "--logs",
+               __file__, "--worker", "--model", str(model), "--layout", layout, "--out", out, "--server-logs",
                str(tmp / "logs" / layout.replace(":", "_")), "--repeats", str(args.repeats),
                "--bucket-bytes", str(args.bucket_bytes)]
         r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},

@@ -393,14 +393,25 @@ class DistributedWeightSync(WeightSync):
             fut.cancel()
 
     def _update(self, target: int) -> Optional[str]:
+        """Stream this stage's buckets; bucket k is broadcast and loaded while bucket k+1 is gathered (at most
+        two buckets in flight, the next POST only after the previous reply, so servers see them in order)."""
         error: Optional[str] = None
         stats = {"bytes": 0, "buckets": 0, "broadcast_s": 0.0, "server_s": 0.0, "bucket_s": 0.0}
         t_all = time.perf_counter()
+        pending = None
         for bucket in self.resharder.buckets():  # every rank of the stage drains it (collectives)
             if error is not None or self.pg is None:
                 continue  # keep draining so the stage's other ranks are not left in a gather
             try:
-                self._send(bucket, target, stats)
+                if pending is not None:
+                    self._finish(pending, stats)
+                    pending = None
+                pending = self._start(bucket, target, stats)
+            except Exception as e:  # noqa: BLE001
+                error, pending = f"{type(e).__name__}: {e}", None
+        if pending is not None and error is None:
+            try:
+                self._finish(pending, stats)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
         stats["gather_s"] = self.resharder.stats.get("gather_s", 0.0)
@@ -408,7 +419,8 @@ class DistributedWeightSync(WeightSync):
         self.last = {f"sync/{k}": float(v) for k, v in stats.items()}
         return error
 
-    def _send(self, bucket: Any, target: int, stats: dict) -> None:
+    def _start(self, bucket: Any, target: int, stats: dict) -> tuple:
+        """POST the bucket (HTTP thread), then start its broadcast(s) without waiting."""
         t0 = time.perf_counter()
         dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         if self.load_format == "flattened_bucket":
@@ -419,10 +431,19 @@ class DistributedWeightSync(WeightSync):
         fut = self._loop.submit(self.client.update_weights_from_distributed(
             bucket.names, bucket.dtypes, bucket.shapes, self.group_name, version=target, load_format=fmt,
             timeout=self.timeout))
-        t1 = time.perf_counter()
+        works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
+        stats["bucket_s"] += time.perf_counter() - t0
+        stats["bytes"] += bucket.nbytes
+        stats["buckets"] += 1
+        return works, fut, payload
+
+    def _finish(self, pending: tuple, stats: dict) -> None:
+        """Wait for a bucket's broadcasts, then for every server's reply (a 400 raises with its message)."""
+        works, fut, _payload = pending  # the payload must live until the broadcast is done
+        t0 = time.perf_counter()
         try:
-            for t in payload:
-                dist.broadcast(t, src=0, group=self.pg)
+            for w in works:
+                w.wait()
         except Exception as e:
             try:  # a server's own answer (refused, 400) says more than the broken broadcast
                 fut.result(1.0)
@@ -431,14 +452,10 @@ class DistributedWeightSync(WeightSync):
             except Exception as http:  # noqa: BLE001
                 raise SyncError(f"{http} (broadcast: {type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
             raise
-        t2 = time.perf_counter()
-        fut.result(self.timeout)  # every server's reply; a 400 raises ServerError with its message
-        t3 = time.perf_counter()
-        stats["bucket_s"] += t1 - t0
-        stats["broadcast_s"] += t2 - t1
-        stats["server_s"] += t3 - t2
-        stats["bytes"] += bucket.nbytes
-        stats["buckets"] += 1
+        t1 = time.perf_counter()
+        fut.result(self.timeout)
+        stats["broadcast_s"] += t1 - t0
+        stats["server_s"] += time.perf_counter() - t1
 
     def _abort(self) -> None:
         if self.pg is not None:  # closing our end makes the servers' pending receives fail at once

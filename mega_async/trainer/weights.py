@@ -84,6 +84,21 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def _all_gather_flat(ts: list[torch.Tensor], group: Any) -> list[list[torch.Tensor]]:
+    """All-gather several same-dtype tensors as one flat buffer; returns [rank][tensor] views."""
+    flat = torch.cat([t.reshape(-1) for t in ts])
+    out = [torch.empty_like(flat) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, flat, group=group)
+    res = []
+    for buf in out:
+        parts, i = [], 0
+        for t in ts:
+            parts.append(buf[i:i + t.numel()].view(t.shape))
+            i += t.numel()
+        res.append(parts)
+    return res
+
+
 def _all_gather(t: torch.Tensor, group: Any) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, t.contiguous(), group=group)
@@ -176,26 +191,50 @@ class Resharder:
                 tensor = tensor[: self.vocab_size]  # vocab padding is Megatron's, not the model's
             yield hf_name, tensor.contiguous()
 
+    def _grouped(self, everything: bool) -> Iterator[list[_Param]]:
+        unit: list[_Param] = []
+        for p in self.params:
+            if not (everything or (self._expert if p.is_expert else self._dense)):
+                continue
+            if unit and p.unit != unit[-1].unit:
+                yield unit
+                unit = []
+            unit.append(p)
+        if unit:
+            yield unit
+
+    def _full_experts(self, ps: list[_Param], ts: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A layer's experts with one all-gather over ETP and one over EP (not one per expert tensor)."""
+        from megatron.core import parallel_state as mpu
+
+        etp = mpu.get_expert_tensor_parallel_world_size()
+        if etp > 1:
+            per_rank = _all_gather_flat(ts, mpu.get_expert_tensor_parallel_group())
+            ts = [self._merge(p.name, [shards[i] for shards in per_rank], p.pdim) for i, p in enumerate(ps)]
+        ep = mpu.get_expert_model_parallel_world_size()
+        per_ep = _all_gather_flat(ts, mpu.get_expert_model_parallel_group()) if ep > 1 else [ts]
+        n_local = self.bridge.config.num_moe_experts // ep
+        offset = n_local * mpu.get_expert_model_parallel_rank()
+        for r, full in enumerate(per_ep):
+            for p, t in zip(ps, full):
+                prefix, local_id = p.name.rsplit(".weight", 1)
+                yield f"{prefix}.weight{int(local_id) - offset + n_local * r}", t
+
     def units(self, everything: bool = False) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """This stage's HF tensors grouped in units (a layer's experts together). On ranks that take no
         part (and with `everything=False`, on every rank but the stage head) the gathers run and
         nothing is yielded; `everything=True` makes every rank of the stage gather and receive all."""
-        unit: list[tuple[str, torch.Tensor]] = []
-        key = None
         keep = everything or self.is_stage_head
         sds = self._state_dicts()  # once per pass: state_dict() walks the whole module tree
-        for p in self.params:
-            if not (everything or (self._expert if p.is_expert else self._dense)):
-                continue
-            if key is not None and p.unit != key and unit:
+        for ps in self._grouped(everything):
+            ts = [sds[p.chunk][p.local].detach() for p in ps]
+            if ps[0].is_expert and all(p.is_expert for p in ps) and len({t.dtype for t in ts}) == 1:
+                named = self._full_experts(ps, ts)
+            else:
+                named = (x for p, t in zip(ps, ts) for x in self._full(p, t))
+            unit = [hf for name, full in named for hf in self._hf(name, full)] if keep else [None for _ in named]
+            if keep:
                 yield unit
-                unit = []
-            key = p.unit
-            for name, full in self._full(p, sds[p.chunk][p.local].detach()):
-                if keep:
-                    unit.extend(self._hf(name, full))
-        if unit:
-            yield unit
 
     def buckets(self) -> Iterator[Bucket]:
         """This stage's units packed into buckets of at most `bucket_bytes` (a unit larger than the
