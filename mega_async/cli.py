@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from mega_async.config import ConfigError, load_config
 
@@ -50,7 +51,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(cfg.logging.level)
-    world = parse_allocation(cfg.parallel.allocation).train.world_size
+    if cfg.inference.backend == "simulated":
+        raise ConfigError("inference.backend=simulated has no model to train or update; mega-async train needs "
+                          "embedded or sglang servers (the simulator is for mega-async rollout)")
+    layout = parse_allocation(cfg.parallel.allocation).train
+    world = layout.world_size
+    if (Path(cfg.model.path) / "config.json").exists():  # a layout that does not fit fails before anything starts
+        from transformers import AutoConfig
+
+        from mega_async.allocation import validate_for_model
+
+        validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
     if world > 1 and not spmd.under_launcher():  # one host: start the trainer ranks ourselves
         argv = ["train"] + (["-c", args.config] if args.config else []) + list(args.overrides)
         return spmd.launch_local(world, argv)
@@ -64,7 +75,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise  # bad input: main() prints it in one line
         logging.getLogger("mega_async.cli").exception("trainer rank failed")
         if world > 1:  # leave at once: a collective teardown could wait on a dead rank
-            spmd.record_error(e)
+            if not spmd.stopped_by_launcher(e):  # torchrun stopping us is not the failure to report
+                line = spmd.record_error(e)
+                if not os.environ.get(spmd.ERROR_DIR_ENV):  # under an external torchrun/srun: say it here
+                    print(f"mega-async train: {line}", file=sys.stderr, flush=True)
             logging.shutdown()
             os._exit(1)
         if isinstance(e, KeyboardInterrupt):

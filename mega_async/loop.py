@@ -113,11 +113,12 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
 
     from mega_async.allocation import parse_allocation
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
-    from mega_async.trainer.parallel import destroy_parallel_state, init_distributed
+    from mega_async.trainer.parallel import control_group, destroy_parallel_state, init_distributed
     from mega_async.trainer.weights import save_hf_checkpoint
 
     alloc = parse_allocation(cfg.parallel.allocation)
     init_distributed()
+    ctrl = control_group()  # batches and failure agreement: gloo, with a timeout longer than any rollout wait
     rank0 = dist.get_rank() == 0
     if rank0:
         _weights_ready(cfg)  # a bad model.path fails here, before the run directory is written
@@ -140,13 +141,13 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
             ex = stack.enter_context(WorkflowExecutor.from_config(cfg.rollout, service.engine, workflow,
                                                                   should_accept=flt, version=version))
             rewards = RewardTracker(flt)
-        sync = make_sync(cfg, engine, version, service, ex if rank0 else None)
+        sync = make_sync(cfg, engine, version, service, ex if rank0 else None, ctrl)
         stack.callback(sync.close)
         for step in range(cfg.trainer.total_steps):
             t0 = time.monotonic()
             groups = ex.prepare_batch(data) if rank0 else None
             t_rollout = time.monotonic() - t0
-            batch, batch_reward = dp_share(groups, cfg)
+            batch, batch_reward = dp_share(groups, cfg, ctrl)
             train_stats = engine.train_batch(batch)
             t_train = time.monotonic() - t0 - t_rollout
             sync_stats = sync.push()
@@ -166,7 +167,7 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
     return metrics.history if metrics is not None else []
 
 
-def dp_share(groups: Optional[list[dict]], cfg: RunConfig) -> tuple[dict[str, torch.Tensor], float]:
+def dp_share(groups: Optional[list[dict]], cfg: RunConfig, group: Any = None) -> tuple[dict[str, torch.Tensor], float]:
     """Rank 0's groups get advantages and are split over DP ranks by tokens (whole groups); every rank
     receives the batch and keeps its share (TP/PP/CP peers of a DP rank keep the same share)."""
     import torch.distributed as dist
@@ -184,14 +185,14 @@ def dp_share(groups: Optional[list[dict]], cfg: RunConfig) -> tuple[dict[str, to
         payload = (groups, redistribute_groups(tokens, mpu.get_data_parallel_world_size()), float(rewards.mean()))
     if dist.get_world_size() > 1:
         box = [payload]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         payload = box[0]
     groups, shares, reward = payload
     return concat_padded([groups[i] for i in shares[mpu.get_data_parallel_rank()]]), reward
 
 
 def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Optional[InferenceService],
-              executor: Optional[WorkflowExecutor]) -> Any:
+              executor: Optional[WorkflowExecutor], group: Any = None) -> Any:
     """The weight sync of `trainer.weight_sync` (rank 0 passes the servers and the executor)."""
     import torch.distributed as dist
 
@@ -200,13 +201,13 @@ def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Opti
     t = cfg.trainer
     rollout = RolloutSide(service.engine, executor) if service is not None else None
     kw = dict(timeout=t.sync_timeout, verify=engine.compute_logprobs if t.verify_sync else None,
-              verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0)
+              verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group)
     if t.weight_sync == "disk":
         return DiskWeightSync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
                               keep=t.keep_weight_versions, **kw)
     box = [(service.addresses, service.gpus_per_server) if service is not None else None]
     if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
     addresses, gpus = box[0]
     return DistributedWeightSync(engine.models, version, rollout, addresses, api_key=cfg.inference.api_key,
                                  bucket_bytes=t.sync_bucket_bytes, load_format=t.sync_load_format,

@@ -6,7 +6,9 @@ command exits non-zero with the first failing rank's error in one line.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,22 +35,41 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
            f"--master-port={free_port()}", "-m", "mega_async.cli", *argv]
     env = {**os.environ, ERROR_DIR_ENV: err_dir}
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * nproc))))
-    proc = subprocess.Popen(cmd, env=env)
+    # its own session, so a signal to this command (Ctrl-C, a scheduler's SIGTERM) is forwarded once and
+    # the whole tree can be killed if it does not stop in time
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        rc = proc.wait()
-    except KeyboardInterrupt:  # Ctrl-C reached every rank too; give them time to stop their servers
         try:
-            rc = proc.wait(timeout=60)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):
-            proc.kill()
             rc = proc.wait()
-        print("mega-async train: interrupted", file=sys.stderr)
-        return 130
-    if rc != 0:
-        line = first_error(err_dir)
-        print(f"mega-async train: {line or f'a trainer rank failed (torchrun exit code {rc}); see the log above'}",
-              file=sys.stderr)
-    return rc
+        except KeyboardInterrupt:
+            _stop(proc)
+            print("mega-async train: interrupted", file=sys.stderr)
+            return 130
+        if rc != 0:
+            line = first_error(err_dir)
+            print(f"mega-async train: {line or f'a trainer rank failed (torchrun exit code {rc}); see the log above'}",
+                  file=sys.stderr)
+        return rc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        shutil.rmtree(err_dir, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # a SIGTERM to this command stops the ranks as Ctrl-C does
+
+
+def _stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGINT to every rank (they stop their servers), then SIGKILL to the whole tree after `grace`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def first_error(err_dir: str) -> Optional[str]:
@@ -60,20 +81,29 @@ def first_error(err_dir: str) -> Optional[str]:
     return None
 
 
-def record_error(exc: BaseException) -> None:
-    """A rank's error as one line, for the launching command to print."""
-    d = os.environ.get(ERROR_DIR_ENV)
-    if not d:
-        return
+class StoppedByLauncher(SystemExit):
+    """SIGTERM from torchrun (stopping the other ranks after one failed) or from a scheduler."""
+
+
+def stopped_by_launcher(exc: BaseException) -> bool:
+    return isinstance(exc, StoppedByLauncher)
+
+
+def record_error(exc: BaseException) -> str:
+    """A rank's error as one line; written for the launching command to print, and returned."""
     rank = os.environ.get("RANK", "0")
-    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    with open(Path(d) / f"rank{rank}.txt", "w") as f:
-        f.write(f"rank {rank}: {type(exc).__name__}{': ' + msg if msg else ''}\n")
+    msg = " ".join(str(exc).split())
+    line = f"rank {rank}: {type(exc).__name__}{': ' + msg if msg else ''}"
+    d = os.environ.get(ERROR_DIR_ENV)
+    if d:
+        with open(Path(d) / f"rank{rank}.txt", "w") as f:
+            f.write(line + "\n")
+    return line
 
 
 def stop_on_sigterm() -> None:
     """torchrun stops the other ranks with SIGTERM: raise SystemExit so `finally` blocks run (servers stop)."""
     def handler(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
+        raise StoppedByLauncher(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)

@@ -260,8 +260,8 @@ class SGLangClient:
 
         return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(targets))))
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        await self._post_all("/pause_generation", {"mode": mode}, only_healthy=True)
+    async def pause_generation(self, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        await self._post_all("/pause_generation", {"mode": mode}, only_healthy=True, timeout=timeout)
 
     async def continue_generation(self) -> None:
         """Never raises for a dead server: the others must not be left paused."""

@@ -30,6 +30,18 @@ def server_layout(cfg: RunConfig) -> tuple[int, int, int]:
     return s.dp, s.tp, s.ep
 
 
+def _server_host() -> str:
+    """Loopback for a one-host job; with trainer ranks on several hosts (pipeline stage heads elsewhere
+    must reach the servers) this host's address."""
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    nodes = int(os.environ.get("SLURM_NNODES", "1"))
+    if nodes > 1 or (local and world > local):
+        import socket
+
+        return socket.gethostbyname(socket.gethostname())
+    return "127.0.0.1"
+
+
 class InferenceService:
     """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
 
@@ -66,7 +78,8 @@ class InferenceService:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         addresses = list(inf.addresses)
         if not addresses:
-            spec = ServerSpec(inf.backend, model, num_servers=n, api_key=inf.api_key, tp_size=tp, ep_size=ep,
+            spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=inf.api_key,
+                              tp_size=tp, ep_size=ep,
                               dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args,
                               weights_root=str(weights_root) if weights_root else None,
                               num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))

@@ -6,7 +6,7 @@ The allocation grammar lives in `mega_async.allocation` (re-exported here for ol
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 from mega_async.allocation import (  # noqa: F401  (re-exported public names)
     INFERENCE_BACKENDS,
@@ -47,6 +47,19 @@ def init_distributed(backend: Optional[str] = None) -> None:
     from mega_async.comm import free_port
 
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+
+
+def control_group(timeout_s: float = 24 * 3600.0) -> Any:
+    """A gloo group over all ranks with a long timeout for the driver's small object messages (batches,
+    failure agreement): rank 0 may wait for rollouts much longer than NCCL's 10-minute watchdog allows.
+    Collective: every rank calls it at the same point."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def init_parallel_state(s: ParallelStrategy, backend: Optional[str] = None, seed: int = 1234) -> None:

@@ -65,20 +65,25 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _agree(error: Optional[str]) -> list[str]:
-    """Every rank's error (None = fine), gathered on every rank."""
+def one_line(error: Optional[str]) -> Optional[str]:
+    return " ".join(error.split()) if error else error
+
+
+def _agree(error: Optional[str], group: Any = None) -> list[str]:
+    """Every rank's error (None = fine, each flattened to one line), gathered on every rank."""
+    error = one_line(error)
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [error] if error else []
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error)
+    dist.all_gather_object(every, error, group=group)
     return [f"rank {r}: {e}" for r, e in enumerate(every) if e]
 
 
-def _from_rank0(obj: Any) -> Any:
+def _from_rank0(obj: Any, group: Any = None) -> Any:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
@@ -95,8 +100,9 @@ class WeightSync:
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
-                 verify_tol: float = 1e-4, temperature: float = 1.0):
+                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None):
         self.models = list(models)
+        self.group = group  # for the small agreements between ranks (a gloo group with a long timeout)
         self.version = version
         self.rollout = rollout if _rank() == 0 else None
         self.timeout = timeout
@@ -120,7 +126,9 @@ class WeightSync:
             _maybe(r.client, "pause")
             try:
                 try:
-                    self._wait(r.client.pause_generation())
+                    takes = "timeout" in inspect.signature(r.client.pause_generation).parameters
+                    pause = r.client.pause_generation(timeout=self.timeout) if takes else r.client.pause_generation()
+                    self._wait(pause)  # the HTTP call carries the same timeout, so it cannot land after continue
                     yield
                 finally:  # also when pausing failed half-way: no server stays paused
                     cont = r.client.continue_generation()
@@ -137,31 +145,52 @@ class WeightSync:
         """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError."""
         t0 = time.perf_counter()
         target = self.version.value + 1
-        self._prepare(target)  # before the pause (disk: the export), collective
+        errors = _agree(self._guarded(self._prepare, target), self.group)  # before the pause (disk: export)
+        rolled = None
         with contextlib.ExitStack() as stack:
-            enter_error = None
-            if self.rollout is not None:
-                try:
-                    stack.enter_context(self.pause_bracket())
-                except Exception as e:  # noqa: BLE001 - e.g. a dead server: the bracket has undone itself
-                    enter_error = f"pausing the servers: {type(e).__name__}: {e}"
-            errors = _agree(enter_error)
+            if not errors:  # the same on every rank: they agreed
+                enter_error = None
+                if self.rollout is not None:
+                    try:
+                        stack.enter_context(self.pause_bracket())
+                    except Exception as e:  # noqa: BLE001 - e.g. a dead server: the bracket has undone itself
+                        enter_error = f"pausing the servers: {type(e).__name__}: {e}"
+                errors = _agree(enter_error, self.group)
             if not errors:
-                errors = _agree(self._update(target))
+                try:
+                    errors = _agree(self._guarded(self._update, target), self.group)
+                    if not errors:
+                        errors = _agree(self._guarded(self._commit, target), self.group)
+                except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue
+                    self._abort()
+                    self._rollback()
+                    raise
                 if errors:
                     self._abort()  # a receive still waiting on a broken group fails now instead of at its timeout
-                    self._rollback()  # still inside the bracket: servers drop this sync, then continue
+                    rolled = self._rollback()  # still inside the bracket: servers drop this sync, then continue
                 elif self.rollout is not None:
                     self.version.set(target)
         if errors:
             self._after_failure()
-            raise SyncError(f"weight sync to version {target} failed; the servers keep version "
-                            f"{self.version.value}: " + "; ".join(errors))
-        self.version.set(_from_rank0(self.version.value))  # every rank's copy follows rank 0's
+            _agree(None, self.group)  # no rank leaves before rank 0 has rolled back and continued the servers
+            raise SyncError(f"weight sync to version {target} failed ({'; '.join(errors)}); "
+                            + (rolled or f"the servers keep version {self.version.value}"))
+        self.version.set(_from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
         self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
         if self._verify_fn is not None:
             self.last["sync/verify_max_abs_diff"] = self.verify()
         return dict(self.last)
+
+    @staticmethod
+    def _guarded(fn: Callable[[int], Optional[str]], target: int) -> Optional[str]:
+        try:
+            return fn(target)
+        except Exception as e:  # noqa: BLE001 - becomes this rank's error in the agreement
+            return f"{type(e).__name__}: {e}"
+
+    def _commit(self, target: int) -> Optional[str]:
+        """After every rank succeeded (distributed: the version is set on the servers only now)."""
+        return None
 
     # ---- verification ------------------------------------------------------------------------
     def verify(self, prompt_len: int = 6, new_tokens: int = 8) -> float:
@@ -183,7 +212,7 @@ class WeightSync:
                            o["meta_info"].get("weight_version")) for o in outs]
             except Exception as e:  # noqa: BLE001
                 probes = f"probe failed: {type(e).__name__}: {e}"
-        probes = _from_rank0(probes)
+        probes = _from_rank0(probes, self.group)
         if isinstance(probes, str):
             raise SyncError(f"verify_sync: {probes}")
         from megatron.core import parallel_state as mpu
@@ -192,19 +221,24 @@ class WeightSync:
         rows = max(len(probes), 4 * mpu.get_pipeline_model_parallel_world_size())
         batch = _probe_batch([probes[i % len(probes)] for i in range(rows)])
         mine = self._verify_fn(batch)  # collective on every rank
-        worst = 0.0
-        for i, (prompt, out, lps, version) in enumerate(probes):
-            if str(version) != str(self.version.value):
-                raise SyncError(f"verify_sync: server {i} reports weight_version {version!r}, expected "
-                                f"{self.version.value}")
-            want = mine[i, len(prompt):len(prompt) + len(out)]
-            got = torch.tensor([float("-inf") if x is None else float(x) for x in lps])
-            diff = float((got - want).abs().max()) if len(out) else 0.0
-            worst = max(worst, diff)
-        if worst > self.verify_tol:
-            raise SyncError(f"verify_sync: server logprobs differ from the trainer's by {worst:.3g} "
-                            f"(> {self.verify_tol:g}) at version {self.version.value}")
-        return worst
+        verdict: Any = None
+        if _rank() == 0:  # rank 0 decides for all (DP replicas may differ in the last bits on GPU)
+            worst, verdict = 0.0, None
+            for i, (prompt, out, lps, version) in enumerate(probes):
+                if str(version) != str(self.version.value):
+                    verdict = f"server {i} reports weight_version {version!r}, expected {self.version.value}"
+                    break
+                want = mine[i, len(prompt):len(prompt) + len(out)]
+                got = torch.tensor([float("-inf") if x is None else float(x) for x in lps])
+                worst = max(worst, float((got - want).abs().max()) if len(out) else 0.0)
+            if verdict is None and worst > self.verify_tol:
+                verdict = (f"server logprobs differ from the trainer's by {worst:.3g} (> {self.verify_tol:g}) "
+                           f"at version {self.version.value}")
+            verdict = verdict or worst
+        verdict = _from_rank0(verdict, self.group)
+        if isinstance(verdict, str):
+            raise SyncError(f"verify_sync: {verdict}")
+        return float(verdict)
 
     def _wait(self, result: Any) -> Any:
         """Wait for a client call: coroutines run on the HTTP thread (the simulator answers at once)."""
@@ -218,19 +252,23 @@ class WeightSync:
         """Send the weights inside the bracket; returns this rank's error, or None."""
         raise NotImplementedError
 
-    def _rollback(self) -> None:
+    def _rollback(self) -> Optional[str]:
+        """Ask the servers to drop this sync; returns what went wrong (None: every server rolled back)."""
         fn = getattr(self.rollout.client, "rollback_weights", None) if self.rollout is not None else None
         if fn is None:
-            return
+            return None
         try:  # a server may first finish a receive that is failing: allow it its own timeout too
             replies = self._loop.run(fn(), 2 * self.timeout + 10)
         except Exception as e:  # noqa: BLE001 - the run stops anyway; continue_generation comes next
             logger.warning("rolling back the servers failed: %s: %s", type(e).__name__, e)
-            return
-        for server, reply in zip(getattr(self.rollout.client, "addresses", []), replies):
-            if not (isinstance(reply, dict) and reply.get("success")):
-                logger.warning("server %s could not roll back this sync (%s): it may serve partially updated "
-                               "weights until the next successful sync or a reload", server, reply)
+            return f"rolling back the servers failed ({type(e).__name__}: {e}): they may serve partial weights"
+        bad = [s for s, r in zip(getattr(self.rollout.client, "addresses", []), replies)
+               if not (isinstance(r, dict) and r.get("success"))]
+        for server in bad:
+            logger.warning("server %s could not roll back this sync: it may serve partially updated weights "
+                           "until the next successful sync or a reload", server)
+        return (f"servers {', '.join(bad)} could not roll back (no /rollback_weights: real SGLang) and may serve "
+                "partially updated weights" if bad else None)
 
     def _abort(self) -> None:
         """Right after a failure, before the rollback (distributed: drop this rank's side of the group)."""
@@ -364,12 +402,25 @@ class DistributedWeightSync(WeightSync):
         self.pg: Any = None
         self._init_error: Optional[str] = None
         if self.resharder.is_stage_head:
-            from mega_async.inference.client import SGLangClient
+            try:
+                from mega_async.inference.client import SGLangClient
 
-            self.client = self.rollout.client if self.rollout is not None else SGLangClient(
-                list(addresses), api_key=api_key, request_timeout=self.timeout)
-            self._init_group(master_address or _reachable_address(addresses))
-        errors = _agree(self._init_error)
+                if not addresses:
+                    raise ValueError("no server addresses: the distributed sync needs inference servers")
+                self.client = self.rollout.client if self.rollout is not None else SGLangClient(
+                    list(addresses), api_key=api_key, request_timeout=self.timeout)
+                self._init_group(master_address or _reachable_address(addresses))
+            except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
+                self._init_error = f"{type(e).__name__}: {e}"
+        # pipeline stages stream one after another: concurrent groups through the same servers could
+        # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
+        heads = [(self.resharder.pp_rank, _rank())] if self.resharder.is_stage_head else []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, heads, group=self.group)
+            heads = [h for x in every for h in x]
+        self._stage_heads = dict(heads)
+        errors = _agree(self._init_error, self.group)
         if errors:
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
@@ -378,6 +429,7 @@ class DistributedWeightSync(WeightSync):
         from mega_async.comm import free_port, init_custom_process_group
 
         port = free_port()
+        self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
         fut = self._loop.submit(self.client.init_weights_update_group(
             address, port, self.group_name, backend=self.backend, gpus_per_server=self.gpus_per_server,
             timeout=self.timeout))
@@ -398,6 +450,25 @@ class DistributedWeightSync(WeightSync):
         error: Optional[str] = None
         stats = {"bytes": 0, "buckets": 0, "broadcast_s": 0.0, "server_s": 0.0, "bucket_s": 0.0}
         t_all = time.perf_counter()
+        rs = self.resharder
+        turn = rs.is_stage_head and rs.pp_size > 1
+        if turn and rs.pp_rank > 0:  # wait for the previous stage; it says whether it failed
+            token = torch.zeros(1, dtype=torch.int64)
+            dist.recv(token, src=self._stage_heads[rs.pp_rank - 1], group=self.group)
+            if token.item():
+                error = f"stage {rs.pp_rank - 1} failed first; stage {rs.pp_rank} sent nothing"
+        try:
+            error = self._stream(target, stats, error)
+        finally:
+            if turn and rs.pp_rank < rs.pp_size - 1:
+                token = torch.tensor([1 if error else 0], dtype=torch.int64)
+                dist.send(token, dst=self._stage_heads[rs.pp_rank + 1], group=self.group)
+        stats["gather_s"] = rs.stats.get("gather_s", 0.0)
+        stats["total_s"] = time.perf_counter() - t_all
+        self.last = {f"sync/{k}": float(v) for k, v in stats.items()}
+        return error
+
+    def _stream(self, target: int, stats: dict, error: Optional[str]) -> Optional[str]:
         pending = None
         for bucket in self.resharder.buckets():  # every rank of the stage drains it (collectives)
             if error is not None or self.pg is None:
@@ -414,10 +485,15 @@ class DistributedWeightSync(WeightSync):
                 self._finish(pending, stats)
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
-        stats["gather_s"] = self.resharder.stats.get("gather_s", 0.0)
-        stats["total_s"] = time.perf_counter() - t_all
-        self.last = {f"sync/{k}": float(v) for k, v in stats.items()}
         return error
+
+    def _commit(self, target: int) -> Optional[str]:
+        """Every stage streamed: an empty update sets the new version on the servers (SGLang sets
+        weight_version only on success), so a failed sync never leaves a server claiming the new one."""
+        if self.rollout is not None and self.pg is not None:
+            self._loop.run(self.client.update_weights_from_distributed([], [], [], self.group_name, version=target,
+                                                                       timeout=self.timeout), self.timeout + 10)
+        return None
 
     def _start(self, bucket: Any, target: int, stats: dict) -> tuple:
         """POST the bucket (HTTP thread), then start its broadcast(s) without waiting."""
@@ -428,9 +504,8 @@ class DistributedWeightSync(WeightSync):
         else:
             payload = [t.to(dev) for t in bucket.tensors]
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
-        fut = self._loop.submit(self.client.update_weights_from_distributed(
-            bucket.names, bucket.dtypes, bucket.shapes, self.group_name, version=target, load_format=fmt,
-            timeout=self.timeout))
+        fut = self._loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
+            bucket.names, bucket.dtypes, bucket.shapes, self.group_name, load_format=fmt, timeout=self.timeout))
         works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
         stats["bucket_s"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes

@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_overrides():
-    cfg = load_config(None, ["rollout.max_staleness=4", "trainer.lr=3e-6", "inference.addresses=[a:1,b:2]"])
+    cfg = load_config(None, ["rollout.max_staleness=4", "trainer.lr=3e-6", "inference.addresses=[a:1,b:2]",
+                             "parallel.allocation=sglang:d2+megatron:d1"])
     assert isinstance(cfg, RunConfig)
     assert cfg.rollout.max_staleness == 4 and cfg.trainer.lr == 3e-6
     assert cfg.inference.addresses == ["a:1", "b:2"]
@@ -84,11 +85,12 @@ def test_cli_rejects_bad_config_before_anything_starts(tmp_path, capsys):
     assert not any(tmp_path.iterdir())  # nothing was written or started
 
 
-def test_cli_train_refuses_a_multi_rank_trainer_in_one_line(tmp_path, capsys):
-    rc = main(["train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"), "parallel.allocation=sglang:d1+megatron:t2",
+def test_cli_train_refuses_a_layout_that_does_not_fit_the_model_in_one_line(tmp_path, capsys):
+    """Checked before any trainer rank or server starts."""
+    rc = main(["train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"), "parallel.allocation=sglang:d1+megatron:t3",
                f"logging.root_dir={tmp_path}"])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and "\n" not in err and "this driver runs one trainer rank" in err
+    assert rc == 2 and "\n" not in err and "tp=3 does not divide num_attention_heads=4" in err
     assert not any(tmp_path.iterdir())
 
 
@@ -111,3 +113,13 @@ def test_cli_rollout_demo_runs(tmp_path, capsys):
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3
     assert "max head staleness" in capsys.readouterr().out
+
+
+def test_servers_come_from_the_allocation_alone():
+    with pytest.raises(ConfigError, match="num_servers was removed"):
+        load_config(None, ["inference.num_servers=2"])
+    with pytest.raises(ConfigError, match="lists 1 servers but .* says 2"):
+        load_config(None, ["parallel.allocation=sglang:d2+megatron:d1", "inference.addresses=[a:1]"])
+    with pytest.raises(ConfigError, match="no inference part"):
+        load_config(None, ["parallel.allocation=megatron:d2"])
+    assert main(["train", "inference.backend=simulated"]) == 2  # nothing to update: refused in one line
