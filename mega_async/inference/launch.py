@@ -50,6 +50,7 @@ class ServerSpec:
     dtype: Optional[str] = None
     seed: int = 0
     num_threads: Optional[int] = None  # CPU threads per embedded server; default cores / num_servers
+    base_gpu_id: Optional[int] = None  # real SGLang: server i uses GPUs base + i * tp_size ... (after the trainer's)
     extra_args: Sequence[str] = field(default_factory=list)
 
 
@@ -68,6 +69,8 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
                "--skip-server-warmup", "--disable-radix-cache"]
+        if spec.base_gpu_id is not None:
+            cmd += ["--base-gpu-id", str(spec.base_gpu_id + index * spec.tp_size)]
         if spec.ep_size > 1:
             cmd += ["--ep-size", str(spec.ep_size)]
         if spec.dp_size > 1:

@@ -42,6 +42,16 @@ def _server_host() -> str:
     return "127.0.0.1"
 
 
+def _first_free_gpu(cfg: RunConfig) -> Optional[int]:
+    """Real SGLang servers go on the GPUs after this host's trainer ranks (0 .. local ranks - 1)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local) if local else parse_allocation(cfg.parallel.allocation).train.world_size
+
+
 class InferenceService:
     """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
 
@@ -82,6 +92,7 @@ class InferenceService:
                               tp_size=tp, ep_size=ep,
                               dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args,
                               weights_root=str(weights_root) if weights_root else None,
+                              base_gpu_id=_first_free_gpu(cfg) if inf.backend == "sglang" else None,
                               num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
             addresses = self.launcher.start()

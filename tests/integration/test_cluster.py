@@ -80,6 +80,9 @@ def test_api_key_and_commands(weights_root, tmp_path):
     for flag in ("sglang.launch_server", "--tp-size", "--ep-size", "--enable-dp-attention", "--moe-a2a-backend",
                  "deepep", "--enable-eplb", "--disable-radix-cache"):
         assert flag in cmd
+    # servers after the trainer's GPUs: server i starts at base + i * tp
+    two = ServerSpec("sglang", "/m", num_servers=2, tp_size=2, base_gpu_id=4)
+    assert [c[c.index("--base-gpu-id") + 1] for c in (server_command(two, 1, 0), server_command(two, 2, 1))] == ["4", "6"]
 
 
 def test_launcher_reports_a_server_that_fails_to_start(tmp_path):
