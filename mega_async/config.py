@@ -275,6 +275,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r} has no inference part: name the "
                               "servers first, e.g. sglang:d1+megatron:d1")
         n = alloc.inference.strategy.dp
+        if alloc.trainer is not None and r.consumer_batch_size < alloc.trainer.strategy.dp:
+            raise ConfigError(f"rollout.consumer_batch_size={r.consumer_batch_size} is below the trainer's data-parallel "
+                              f"size {alloc.trainer.strategy.dp}: every DP rank needs at least one prompt group")
         if inf.addresses and len(inf.addresses) != n:
             raise ConfigError(f"inference.addresses lists {len(inf.addresses)} servers but parallel.allocation's "
                               f"inference part {alloc.inference.backend}:d{n} says {n}")

@@ -79,6 +79,7 @@ def test_multi_rank_run_with_distributed_sync(model, tmp_path, allocation):
     assert not leftovers(tmp_path)
 
 
+@pytest.mark.slow  # one rank in disk mode runs in the default suite (test_train_loop.py)
 def test_disk_sync_keeps_two_versions(model, tmp_path):
     r = subprocess.run(train_cmd(model, tmp_path, "sglang:d1+megatron:d2", "trainer.weight_sync=disk"),
                        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})

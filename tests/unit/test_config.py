@@ -123,3 +123,5 @@ def test_servers_come_from_the_allocation_alone():
     with pytest.raises(ConfigError, match="no inference part"):
         load_config(None, ["parallel.allocation=megatron:d2"])
     assert main(["train", "inference.backend=simulated"]) == 2  # nothing to update: refused in one line
+    with pytest.raises(ConfigError, match="below the trainer's data-parallel size 4"):
+        load_config(None, ["parallel.allocation=sglang:d1+megatron:d4", "rollout.consumer_batch_size=2"])
