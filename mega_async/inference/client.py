@@ -267,9 +267,12 @@ class SGLangClient:
         """Never raises for a dead server: the others must not be left paused."""
         await self._post_all("/continue_generation", {}, check=False)
 
-    async def update_weights_from_disk(self, path: str, version: int | str) -> None:
-        await self._post_all("/update_weights_from_disk",
-                             {"model_path": str(path), "weight_version": str(version), "flush_cache": True})
+    async def update_weights_from_disk(self, path: str, version: int | str, check: bool = True) -> list[Any]:
+        """Every server loads the HF directory `path`. `check=False`: never raises; failed servers' replies are
+        returned as they came (None for an unreachable one)."""
+        return await self._post_all("/update_weights_from_disk",
+                                    {"model_path": str(path), "weight_version": str(version), "flush_cache": True},
+                                    check=check)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
                                         backend: str = "gloo", gpus_per_server: int = 1,

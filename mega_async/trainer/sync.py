@@ -359,6 +359,28 @@ class DiskWeightSync(WeightSync):
             self._prune()
         return out
 
+    def _rollback(self) -> Optional[str]:
+        """Every server reloads the current version's directory (the model itself at version 0): this works on
+        real SGLang too, where a server that loaded the new version has no other way back."""
+        if self.rollout is None:
+            return None
+        v = self.version.value
+        path = self.path(v) if self.path(v).is_dir() else (Path(self.src_dir) if self.src_dir else None)
+        if path is None:
+            return super()._rollback()
+        client = self.rollout.client
+        try:
+            replies = self._loop.run(client.update_weights_from_disk(str(path.resolve()), v, check=False),
+                                     2 * self.timeout + 10)
+        except Exception as e:  # noqa: BLE001
+            replies = [f"{type(e).__name__}: {e}"] * len(client.servers)
+        bad = [a for a, r in zip(client.addresses, replies) if not (isinstance(r, dict) and r.get("success"))]
+        if bad:
+            logger.warning("servers %s could not reload version %d from %s", bad, v, path)
+            return f"servers {', '.join(bad)} could not reload version {v} from {path} (a server whose own load failed " \
+                   "kept its weights)"
+        return None
+
     def _prune(self) -> None:
         v = self.version.value
         for d in self.root.glob("v*"):

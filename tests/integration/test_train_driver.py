@@ -138,3 +138,26 @@ def test_ctrl_c_stops_all_ranks_and_servers(model, tmp_path):
     assert "interrupted" in err.strip().splitlines()[-1]
     time.sleep(1)
     assert not leftovers(tmp_path)
+
+
+def test_failed_disk_sync_reloads_the_current_version_everywhere(tmp_path, short_server):
+    """Disk mode, two servers: one loads version 1, the other (a model with a layer fewer) refuses it. Every
+    server reloads version 0 (the model directory, which real SGLang can do too) and the run stops."""
+    good_model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=2)
+    with ServerLauncher(ServerSpec("embedded", str(good_model), num_threads=1, weights_root=str(tmp_path)),
+                        log_dir=str(tmp_path / "good")) as good:
+        from tests.integration.conftest import get, post
+
+        probe = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0.0}}
+        before = post(good.addresses[0], "/generate", probe)[1]["output_ids"]
+        addrs = ",".join(f"'{a}'" for a in good.addresses + short_server.addresses)
+        r = subprocess.run(train_cmd(good_model, tmp_path, "sglang:d2+megatron:d1", "trainer.weight_sync=disk",
+                                     f"inference.addresses=[{addrs}]"),
+                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert r.returncode == 1
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("mega-async train: SyncError") and "version 1" in last, last
+        assert "could not reload" in last and short_server.addresses[0] in last  # it kept its own weights
+        for addr in good.addresses + short_server.addresses:
+            assert get(addr, "/model_info")[1]["weight_version"] == "0"
+        assert post(good.addresses[0], "/generate", probe)[1]["output_ids"] == before
