@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,3 +57,21 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     logger.info("wrote random-init weights (seed %d, %d params) to %s", seed,
                 sum(p.numel() for p in model.parameters()), dst)
     return dst
+
+
+def derive_card(base: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0, **config: Any) -> Path:
+    """A model card like `base` with some config fields changed (e.g. num_hidden_layers=3), its tokenizer
+    files copied and deterministic random weights written; returns `out_dir`."""
+    from transformers import AutoConfig
+
+    base, out = Path(base), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = AutoConfig.from_pretrained(base)
+    for k, v in config.items():
+        setattr(cfg, k, v)
+    cfg.save_pretrained(out)
+    for f in base.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            (out / f.name).write_bytes(f.read_bytes())
+    init_random_weights(out, seed=seed)
+    return out

@@ -35,23 +35,11 @@ dist.destroy_process_group(pg)
 
 
 def make_model(root: Path) -> Path:
-    from transformers import AutoConfig
+    from mega_async.model_cards import TINY_MOE, derive_card
 
-    from mega_async.model_cards import init_random_weights
-
-    d = root / "bench-moe"
-    d.mkdir(parents=True, exist_ok=True)
-    cfg = AutoConfig.from_pretrained(ROOT / "models" / "tiny-qwen3-moe")
-    cfg.hidden_size, cfg.moe_intermediate_size, cfg.intermediate_size = 256, 256, 512
-    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim = 8, 4, 32
-    cfg.num_hidden_layers, cfg.num_experts = 8, 16
-    cfg.num_local_experts = 16
-    cfg.save_pretrained(d)
-    for f in (ROOT / "models" / "tiny-qwen3-moe").iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            (d / f.name).write_bytes(f.read_bytes())
-    init_random_weights(d, seed=0)
-    return d
+    return derive_card(TINY_MOE, root / "bench-moe", seed=0, hidden_size=256, moe_intermediate_size=256,
+                       intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                       num_hidden_layers=8, num_experts=16, num_local_experts=16)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -150,21 +150,9 @@ class Resharder:
 
     # ---- gather ------------------------------------------------------------------------------
     def _full(self, p: _Param, t: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-        """Megatron-named full tensors of one local parameter (gathered over TP, or EP x ETP)."""
+        """A dense parameter as one Megatron-named full tensor (gathered over TP when it is split)."""
         from megatron.core import parallel_state as mpu
 
-        if p.is_expert:
-            ep = mpu.get_expert_model_parallel_world_size()
-            shards = _all_gather(t, mpu.get_expert_model_parallel_group()) if ep > 1 else [t]
-            prefix, local_id = p.name.rsplit(".weight", 1)
-            per_rank = self.bridge.config.num_moe_experts // ep
-            first = int(local_id) - per_rank * mpu.get_expert_model_parallel_rank()
-            etp = mpu.get_expert_tensor_parallel_world_size()
-            for r, shard in enumerate(shards):
-                name = f"{prefix}.weight{first + per_rank * r}"
-                parts = _all_gather(shard, mpu.get_expert_tensor_parallel_group()) if etp > 1 else [shard]
-                yield name, self._merge(name, parts, p.pdim)
-            return
         tp = mpu.get_tensor_model_parallel_world_size()
         if p.is_tp and tp > 1:
             yield p.name, self._merge(p.name, _all_gather(t, mpu.get_tensor_model_parallel_group()), p.pdim)
@@ -228,7 +216,7 @@ class Resharder:
         sds = self._state_dicts()  # once per pass: state_dict() walks the whole module tree
         for ps in self._grouped(everything):
             ts = [sds[p.chunk][p.local].detach() for p in ps]
-            if ps[0].is_expert and all(p.is_expert for p in ps) and len({t.dtype for t in ts}) == 1:
+            if ps[0].is_expert:  # a unit is a layer's experts (one dtype) or one dense parameter
                 named = self._full_experts(ps, ts)
             else:
                 named = (x for p, t in zip(ps, ts) for x in self._full(p, t))

@@ -13,10 +13,10 @@ from pathlib import Path
 import psutil
 import pytest
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from mega_async.inference.launch import ServerLauncher, ServerSpec
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.model_cards import TINY_MOE, derive_card, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,15 +94,7 @@ def test_disk_sync_keeps_two_versions(model, tmp_path):
 @pytest.fixture
 def short_server(tmp_path):
     """An embedded server running a model with one layer fewer: it answers 400 in the middle of a sync."""
-    d = tmp_path / "short"
-    d.mkdir()
-    cfg = AutoConfig.from_pretrained(ROOT / "models" / "tiny-qwen3-moe")
-    cfg.num_hidden_layers = 3
-    cfg.save_pretrained(d)
-    for f in (ROOT / "models" / "tiny-qwen3-moe").iterdir():
-        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
-            (d / f.name).write_bytes(f.read_bytes())
-    init_random_weights(d, seed=4)
+    d = derive_card(TINY_MOE, tmp_path / "short", seed=4, num_hidden_layers=3)
     with ServerLauncher(ServerSpec("embedded", str(d), num_threads=1), log_dir=str(tmp_path / "ext")) as launcher:
         yield launcher
 

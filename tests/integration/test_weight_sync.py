@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.model_cards import TINY_MOE, derive_card, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("sync_worker.py")
@@ -21,15 +20,7 @@ WORKER = Path(__file__).with_name("sync_worker.py")
 def cards(tmp_path_factory):
     root = tmp_path_factory.mktemp("sync")
     good = init_random_weights(TINY_MOE, root / "moe", seed=5)
-    short = root / "moe3"  # the same family with a layer fewer: it lacks model.layers.3.*
-    short.mkdir()
-    cfg = AutoConfig.from_pretrained(good)
-    cfg.num_hidden_layers = 3
-    cfg.save_pretrained(short)
-    for f in good.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
-            (short / f.name).write_bytes(f.read_bytes())
-    init_random_weights(short, seed=6)
+    short = derive_card(TINY_MOE, root / "moe3", seed=6, num_hidden_layers=3)  # lacks model.layers.3.*
     return good, short
 
 
