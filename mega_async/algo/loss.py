@@ -1,14 +1,92 @@
-"""Decoupled PPO (AReaL Eq. 5) and the proximal-logprob approximations.
+"""Decoupled PPO (AReaL Eq. 5), its off-policy corrections, GSPO, and the proximal-logprob approximations.
 
 r = exp(logp - prox), w = exp(prox - behav), pg = max(-A r, -A clip(r, 1-eps, 1+eps_high));
-tokens with w > cap are masked out of the numerator (the denominator keeps them);
-loss = sum(mask * w * pg) / sum(mask). Synchronous PPO is the special case behav = prox.
+loss = sum(keep * w * pg) / sum(mask). Synchronous PPO is the special case behav = prox.
+How w corrects for the train/rollout mismatch is `imp_weight_mode` (tokens dropped from the
+numerator stay in the denominator):
+  cap_mask  tokens with w > cap are masked (AReaL's default; cap None = no mask)
+  icepop    two-sided token mask: tokens with w outside [low, high] are masked (IcePop)
+  seq_mask  sequences whose geometric-mean w lies outside [low, high] are masked whole (+ the cap)
+  tis       truncated importance sampling: w = min(w, cap), no token masked
+`objective="gspo"` replaces the token ratio by the sequence ratio s = exp(mean_t(logp - prox)),
+clipped per sequence (GSPO). A weight is zeroed before it multiplies anything, so an overflowing or
+non-finite weight on a masked token never reaches the loss or its gradient.
 """
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Optional, Sequence
 
 import torch
+
+IMP_WEIGHT_MODES = ("cap_mask", "icepop", "seq_mask", "tis")
+OBJECTIVES = ("token", "gspo")
+LOG_RATIO_LIMIT = 20.0
+
+
+def segment_index(shape: torch.Size, seq_ids: Optional[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, int]:
+    """Flat sequence index per token: `seq_ids` (packed streams), the row of a [n, L] batch, or one sequence."""
+    if seq_ids is not None:
+        if seq_ids.shape != shape:
+            raise ValueError(f"seq_ids shape {tuple(seq_ids.shape)} differs from logprobs {tuple(shape)}")
+        idx = seq_ids.reshape(-1).to(device=device, dtype=torch.long)
+        return idx, int(idx.max()) + 1 if idx.numel() else 0
+    if len(shape) == 2:
+        return torch.arange(shape[0], device=device).repeat_interleave(shape[1]), shape[0]
+    n = math.prod(shape)
+    return torch.zeros(n, dtype=torch.long, device=device), 1
+
+
+def segment_mean(x: torch.Tensor, mask: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Mean of `x` over the masked tokens of each sequence, broadcast back to every token (0 if none)."""
+    flat, m = x.reshape(-1), mask.reshape(-1)
+    vals = torch.where(m, flat, torch.zeros_like(flat))
+    sums = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, idx, vals)
+    counts = torch.zeros(n, dtype=x.dtype, device=x.device).index_add(0, idx, m.to(x.dtype))
+    return (sums / counts.clamp(min=1))[idx].reshape(x.shape)
+
+
+def behaviour_weights(
+    log_w: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "cap_mask",
+    cap: Optional[float] = None,
+    bounds: Optional[Sequence[float]] = None,
+    seg: Optional[tuple[torch.Tensor, int]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w, keep): the behaviour importance weight per token, already 0 wherever keep is False.
+
+    `log_w` = prox - behav. Non-finite log-weights are always dropped (TIS truncates +inf to the cap).
+    """
+    if mode not in IMP_WEIGHT_MODES:
+        raise ValueError(f"imp_weight_mode={mode!r}: use one of {', '.join(IMP_WEIGHT_MODES)}")
+    if mode in ("icepop", "seq_mask") and (bounds is None or len(bounds) != 2 or not 0 < bounds[0] < bounds[1]):
+        raise ValueError(f"imp_weight_mode={mode} needs bounds [low, high] with 0 < low < high, got {bounds}")
+    if mode == "tis" and cap is None:
+        raise ValueError("imp_weight_mode=tis needs a cap (behav_imp_weight_cap)")
+    log_w = log_w.detach()
+    finite = torch.isfinite(log_w)
+    if mode == "tis":
+        keep = mask & ~torch.isnan(log_w)
+        log_w = torch.where(keep, log_w.clamp(max=math.log(cap)), torch.zeros_like(log_w))  # type: ignore[arg-type]
+    else:
+        keep = mask & finite
+        safe = torch.where(keep, log_w, torch.zeros_like(log_w))
+        if mode == "icepop":
+            lo, hi = math.log(bounds[0]), math.log(bounds[1])  # type: ignore[index]
+            keep = keep & (safe >= lo) & (safe <= hi)
+        if mode == "seq_mask":
+            lo, hi = math.log(bounds[0]), math.log(bounds[1])  # type: ignore[index]
+            idx, n = seg if seg is not None else segment_index(log_w.shape, None, log_w.device)
+            nonfinite = (mask & ~finite).reshape(-1).to(torch.long)  # such a sequence is dropped whole
+            bad = (torch.zeros(n, dtype=torch.long, device=log_w.device).index_add(0, idx, nonfinite) > 0)
+            geo = segment_mean(safe, mask & finite, idx, n)
+            keep = keep & ~bad[idx].reshape(log_w.shape) & (geo >= lo) & (geo <= hi)
+        if cap is not None and mode in ("cap_mask", "seq_mask"):
+            keep = keep & (safe <= math.log(cap))
+        log_w = torch.where(keep, safe, torch.zeros_like(safe))
+    w = torch.where(keep, torch.exp(log_w), torch.zeros_like(log_w))
+    return w, keep
 
 
 def decoupled_ppo_loss(
@@ -22,34 +100,50 @@ def decoupled_ppo_loss(
     behav_imp_weight_cap: Optional[float] = None,
     dual_clip: Optional[float] = None,
     denominator: Optional[float | torch.Tensor] = None,
+    imp_weight_mode: str = "cap_mask",
+    imp_weight_bounds: Optional[Sequence[float]] = None,
+    objective: str = "token",
+    seq_ids: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Token-level decoupled PPO loss over `loss_mask`.
+    """Token-level decoupled PPO loss over `loss_mask` (see the module docstring for the options).
 
     `denominator` replaces sum(loss_mask) when the mean runs over a larger batch than this call
     sees (micro-batches, DP ranks): pass the global token count to get a global token mean.
+    `seq_ids` names each token's sequence in a packed 1-D stream (seq_mask and gspo need sequences;
+    without it the rows of a 2-D input are the sequences, a 1-D input is one sequence).
     """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r}: use one of {', '.join(OBJECTIVES)}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip={dual_clip} must be > 1")
     mask = loss_mask.bool()
     n = mask.sum()
     denom = n.clamp(min=1) if denominator is None else denominator
     prox, behav = proximal_logprobs.detach(), behavior_logprobs.detach()
-    ratio = torch.exp(logprobs - prox)
+    need_seg = objective == "gspo" or imp_weight_mode == "seq_mask"
+    seg = segment_index(logprobs.shape, seq_ids, logprobs.device) if need_seg else None
+    # masked tokens (prompt, padding) may hold anything: weights and log-ratios there are 0 before any exp
+    ok = mask & torch.isfinite(prox) & torch.isfinite(logprobs.detach())
+    w, keep = behaviour_weights(prox - behav, ok, imp_weight_mode, behav_imp_weight_cap, imp_weight_bounds, seg)
+    diff = logprobs - prox
+    if objective == "gspo":  # one ratio per sequence, over all its valid tokens
+        log_ratio = segment_mean(torch.where(ok, diff, torch.zeros_like(diff)), ok, *seg)  # type: ignore[misc]
+    else:
+        log_ratio = diff
+    # beyond +-LOG_RATIO_LIMIT the ratio is clamped (no gradient past it) so exp never overflows
+    log_ratio = torch.where(keep, log_ratio, torch.zeros_like(log_ratio)).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+    ratio = torch.exp(log_ratio)
     hi = eps_clip if eps_clip_high is None else eps_clip_high
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + hi)
-    pg1, pg2 = -advantages * ratio, -advantages * clipped
+    adv = torch.where(mask, advantages, torch.zeros_like(advantages))
+    pg1, pg2 = -adv * ratio, -adv * clipped
     pg = torch.maximum(pg1, pg2)
     clip_mask = (pg2 > pg1) & mask
+    dual_mask = torch.zeros_like(mask)
     if dual_clip is not None:
-        if dual_clip <= 1.0:
-            raise ValueError(f"dual_clip={dual_clip} must be > 1")
-        pg3 = dual_clip * advantages.abs()  # = -c * A for A < 0
-        dual_mask = (advantages < 0) & (pg > pg3) & mask
-        pg = torch.where(advantages < 0, torch.minimum(pg, pg3), pg)
-    else:
-        dual_mask = torch.zeros_like(mask)
-    w = torch.exp(prox - behav)
-    keep = mask
-    if behav_imp_weight_cap is not None:
-        keep = mask & (w <= behav_imp_weight_cap)
+        pg3 = dual_clip * adv.abs()  # = -c * A for A < 0
+        dual_mask = (adv < 0) & (pg > pg3) & mask
+        pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
     per_token = torch.where(keep, w * pg, torch.zeros_like(pg))
     loss = per_token.sum() / denom
     with torch.no_grad():
@@ -59,10 +153,10 @@ def decoupled_ppo_loss(
             "clip_frac": clip_mask.sum() / nf,
             "dual_clip_frac": dual_mask.sum() / nf,
             "imp_weight_capped_frac": (mask & ~keep).sum() / nf,
-            "behav_imp_weight_mean": (w * mask).sum() / nf,
-            "behav_imp_weight_max": torch.where(mask, w, torch.zeros_like(w)).max() if n > 0 else w.new_zeros(()),
-            "ratio_mean": (ratio * mask).sum() / nf,
-            "approx_kl": ((prox - logprobs.detach()) * mask).sum() / nf,
+            "behav_imp_weight_mean": w.sum() / keep.sum().clamp(min=1),
+            "behav_imp_weight_max": w.max() if w.numel() else w.new_zeros(()),
+            "ratio_mean": (ratio * keep).sum() / keep.sum().clamp(min=1),
+            "approx_kl": torch.where(ok, prox - logprobs.detach(), torch.zeros_like(prox)).sum() / nf,
         }
     return loss, stats
 
@@ -77,19 +171,24 @@ def approximate_proximal_logprobs(
     """Proximal logprobs without a forward pass, interpolating between behaviour and current policy.
 
     alpha = clamp((v - 1 - v_b) / (v - v_b), 0, 1) per token (0 when v == v_b);
-    loglinear: prox = lb + alpha (lt - lb); linear: the same in probability space.
-    Tokens with version < 0 (prompt) get the behaviour logprob.
+    loglinear: prox = lb + alpha (lt - lb); linear: the same in probability space, computed in log
+    space (logaddexp) so logprobs below -87 never underflow to -inf. Prompt tokens (version < 0) get lb.
     """
     vb = versions.to(torch.float64)
     v = float(current_version)
     gap = v - vb
     alpha = torch.where(gap > 0, ((v - 1 - vb) / gap.clamp(min=1e-12)).clamp(0.0, 1.0), torch.zeros_like(vb))
-    alpha = torch.where(versions < 0, torch.zeros_like(alpha), alpha).to(logprobs.dtype)
+    alpha = torch.where(versions < 0, torch.zeros_like(alpha), alpha)
     lb, lt = behavior_logprobs.detach(), logprobs.detach()
     if method == "loglinear":
-        return lb + alpha * (lt - lb)
+        a = alpha.to(logprobs.dtype)
+        return lb + a * (lt - lb)
     if method == "linear":
-        return torch.log((1 - alpha) * lb.exp() + alpha * lt.exp())
+        # log((1-a) e^lb + a e^lt); a weight of 0 contributes exactly nothing (never -inf + inf)
+        log_a, log_1ma = torch.log(alpha).to(lt.dtype), torch.log1p(-alpha).to(lb.dtype)
+        t_b = torch.where(alpha < 1, log_1ma + lb, torch.full_like(lb, -math.inf))
+        t_t = torch.where(alpha > 0, log_a + lt, torch.full_like(lt, -math.inf))
+        return torch.where(alpha <= 0, lb, torch.where(alpha >= 1, lt, torch.logaddexp(t_b, t_t)))
     raise ValueError(f"method={method!r}: use loglinear or linear")
 
 
