@@ -50,7 +50,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from mega_async.allocation import AllocationError, parse_allocation
 
     cfg = load_config(args.config, args.overrides)
-    _setup_logging(cfg.logging.level)
+    from mega_async.console import setup_logging
+
+    setup_logging(cfg.logging.level, cfg.run_dir, cfg.trainer.total_steps, verbose=args.verbose)
     if cfg.inference.backend == "simulated":
         raise ConfigError("inference.backend=simulated has no model to train or update; mega-async train needs "
                           "embedded or sglang servers (the simulator is for mega-async rollout)")
@@ -63,7 +65,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
     if world > 1 and not spmd.under_launcher():  # one host: start the trainer ranks ourselves
-        argv = ["train"] + (["-c", args.config] if args.config else []) + list(args.overrides)
+        argv = ["train"] + (["-c", args.config] if args.config else []) + (["-v"] if args.verbose else []) \
+            + list(args.overrides)
         return spmd.launch_local(world, argv)
     from mega_async.loop import run_training
 
@@ -92,7 +95,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"training done: {len(history)} steps in {last['elapsed_s']:.1f}s; reward {first['reward_mean']:.3f} -> "
               f"{last['reward_mean']:.3f}; weights version {last['version']} on the servers; final weights in "
               f"{cfg.run_dir / 'final_hf'}")
+        _report(cfg.run_dir)
     return 0
+
+
+def _report(run_dir: Path) -> None:
+    """End-of-run report: report.png next to metrics.jsonl and the summary table (never fails the run)."""
+    from mega_async.report import write_report
+
+    try:
+        png, table = write_report(run_dir)
+    except Exception as e:  # noqa: BLE001 - a finished run stays finished
+        logging.getLogger("mega_async.cli").warning("end-of-run report failed: %s: %s", type(e).__name__, e)
+        return
+    print(f"{table}\nreport: {png}; full log: {run_dir / 'train.log'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=_cmd_rollout)
     t = sub.add_parser("train", help="asynchronous RL training: rollout on inference servers, Megatron trainer")
     t.add_argument("--config", "-c", default=None, help="YAML run config (see configs/)")
+    t.add_argument("--verbose", "-v", action="store_true", help="third-party INFO and warnings on the console too")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
     t.set_defaults(fn=_cmd_train)
     sub.add_parser("serve", help="embedded SGLang-protocol server (see python -m mega_async.inference.server -h)",
