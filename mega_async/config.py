@@ -62,6 +62,11 @@ class RolloutConfig:
     # after this many dropped groups in a row the next one is kept anyway, so a solved task cannot
     # stall the run (null: no limit)
     dynamic_filter_max_drops: Optional[int] = 20
+    # rlvr: one generation per sample | multi_turn: on a wrong answer a feedback turn and another try |
+    # package.module:factory, factory(cfg, tokenizer, reward_fn) -> RolloutWorkflow (your own workflow)
+    workflow: str = "rlvr"
+    max_turns: int = 3  # multi_turn: tries per sample
+    turn_discount: float = 0.9  # multi_turn: the reward is multiplied by this for every extra turn
 
 
 @dataclass
@@ -85,6 +90,13 @@ class AlgorithmConfig:
     reward_bias: float = 0.0
     kl_coef: float = 0.0
     kl_estimator: str = "k3"  # k1 | k2 | k3
+    # token: decoupled PPO (token ratio) | gspo: sequence ratio exp(mean log-ratio), clipped per sequence
+    objective: str = "token"
+    # the behaviour-weight correction: cap_mask (tokens with w > behav_imp_weight_cap masked) | icepop (tokens with
+    # w outside imp_weight_bounds masked) | seq_mask (sequences whose geometric-mean w is outside the bounds
+    # masked) | tis (w truncated at behav_imp_weight_cap)
+    imp_weight_mode: str = "cap_mask"
+    imp_weight_bounds: list[float] = field(default_factory=lambda: [0.5, 5.0])  # [low, high] for icepop, seq_mask
 
 
 @dataclass
@@ -236,6 +248,7 @@ def validate(cfg: RunConfig) -> None:
     if a.adv_norm in ("group", "drgrpo", "rloo") and r.group_size < 2:
         raise ConfigError(f"algorithm.adv_norm={a.adv_norm} needs rollout.group_size >= 2 (got {r.group_size})")
     _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
+    _objective_checks(cfg)
     _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
     _positive("trainer.total_steps", t.total_steps)
     _positive("trainer.lr", t.lr)
@@ -286,6 +299,36 @@ def validate(cfg: RunConfig) -> None:
         v = getattr(cfg, name)
         if not v or "/" in v or v in (".", ".."):
             raise ConfigError(f"{name}={v!r} must be a non-empty name without '/'")
+
+
+def _objective_checks(cfg: RunConfig) -> None:
+    """algorithm.objective / imp_weight_* and rollout.workflow / max_turns / turn_discount."""
+    a, r = cfg.algorithm, cfg.rollout
+    _choice("algorithm.objective", a.objective, ("token", "gspo"))
+    _choice("algorithm.imp_weight_mode", a.imp_weight_mode, ("cap_mask", "icepop", "seq_mask", "tis"))
+    lo_hi = list(a.imp_weight_bounds)
+    if len(lo_hi) != 2 or not 0 < lo_hi[0] < lo_hi[1]:
+        raise ConfigError(f"algorithm.imp_weight_bounds={lo_hi} must be [low, high] with 0 < low < high")
+    if a.imp_weight_mode == "tis" and a.behav_imp_weight_cap is None:
+        raise ConfigError("algorithm.imp_weight_mode=tis truncates at algorithm.behav_imp_weight_cap: set it (e.g. 5)")
+    if a.objective == "gspo" or a.imp_weight_mode == "seq_mask":
+        from mega_async.allocation import AllocationError, parse_allocation
+
+        try:
+            cp = parse_allocation(cfg.parallel.allocation).train.cp
+        except AllocationError:
+            cp = 1  # reported by the allocation check
+        if cp > 1:
+            key = "objective=gspo" if a.objective == "gspo" else "imp_weight_mode=seq_mask"
+            raise ConfigError(f"algorithm.{key} needs whole sequences on one rank; context parallelism c{cp} in "
+                              "parallel.allocation splits them (use c1)")
+    wf = r.workflow
+    if wf not in ("rlvr", "multi_turn") and not (":" in wf and all(p.isidentifier() for p in
+                                                                     wf.replace(":", ".").split("."))):
+        raise ConfigError(f"rollout.workflow={wf!r} is not rlvr, multi_turn or package.module:factory")
+    _positive("rollout.max_turns", r.max_turns)
+    if not 0 < r.turn_discount <= 1:
+        raise ConfigError(f"rollout.turn_discount={r.turn_discount} must be in (0, 1]")
 
 
 def to_yaml(cfg: RunConfig) -> str:

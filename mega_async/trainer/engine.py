@@ -44,6 +44,9 @@ class EngineConfig:
     prox_logp: str = "recompute"  # recompute | loglinear | linear | behavior
     kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || frozen initial policy) per token to the loss
     kl_estimator: str = "k3"  # k1 | k2 | k3
+    objective: str = "token"  # token | gspo (algo.loss)
+    imp_weight_mode: str = "cap_mask"  # cap_mask | icepop | seq_mask | tis
+    imp_weight_bounds: tuple[float, float] = (0.5, 5.0)
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
@@ -53,7 +56,8 @@ class EngineConfig:
                    max_tokens_per_mb=t.max_tokens_per_mb, ppo_n_minibatches=t.ppo_n_minibatches,
                    temperature=cfg.rollout.temperature or 1.0, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
                    dual_clip=a.dual_clip, behav_imp_weight_cap=a.behav_imp_weight_cap, prox_logp=a.prox_logp,
-                   kl_coef=a.kl_coef, kl_estimator=a.kl_estimator)
+                   kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, objective=a.objective,
+                   imp_weight_mode=a.imp_weight_mode, imp_weight_bounds=tuple(a.imp_weight_bounds))
 
 
 @dataclass
@@ -291,7 +295,9 @@ class MegatronTrainEngine:
             prox = mb.prox.to(dev)
         loss, st = decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, eps_clip=c.eps_clip,
                                       eps_clip_high=c.eps_clip_high, behav_imp_weight_cap=c.behav_imp_weight_cap,
-                                      dual_clip=c.dual_clip, denominator=1.0)  # a token sum
+                                      dual_clip=c.dual_clip, denominator=1.0,  # a token sum
+                                      objective=c.objective, imp_weight_mode=c.imp_weight_mode,
+                                      imp_weight_bounds=c.imp_weight_bounds, seq_ids=_seq_ids(mb, c, dev))
         n = mask.sum()
         kl_sum = torch.zeros((), device=dev)
         if c.kl_coef > 0:
@@ -315,6 +321,16 @@ class MegatronTrainEngine:
         from mega_async.bridge import export_hf_weights
 
         return export_hf_weights(self.models)
+
+
+def _seq_ids(mb: MicroBatch, c: EngineConfig, dev: torch.device) -> Optional[torch.Tensor]:
+    """Sequence index of every packed token, for the sequence-level objectives (gspo, seq_mask; CP is refused)."""
+    if c.objective != "gspo" and c.imp_weight_mode != "seq_mask":
+        return None
+    pl = torch.tensor(mb.packed.padded_lengths)
+    ids = torch.arange(len(pl)).repeat_interleave(pl)
+    tail = mb.labels.numel() - ids.numel()  # stream padding after the last sequence (loss_mask 0 there)
+    return torch.cat([ids, torch.full((tail,), len(pl), dtype=ids.dtype)]).to(dev)
 
 
 def _device() -> torch.device:
