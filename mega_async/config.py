@@ -43,7 +43,12 @@ class InferenceConfig:
     # servers and their tp/ep come from parallel.allocation's inference part (sglang:d2t4 = 2 servers, tp 4)
     addresses: list[str] = field(default_factory=list)
     request_timeout: float = 300.0  # seconds for one /generate round trip
-    api_key: Optional[str] = None
+    # the API key is read from this environment variable (never from the config: config.yaml is written to the
+    # run directory, and servers we launch get it through their environment, not their command line)
+    api_key_env: str = "MEGA_ASYNC_API_KEY"
+    api_key: Optional[str] = None  # refused when set: see api_key_env
+    max_retries: int = 3  # 5xx answers in a row before a server is dropped (even if its /health answers)
+    unhealthy_timeout: float = 30.0  # seconds without any usable server before the run stops
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
 
 
@@ -67,6 +72,8 @@ class RolloutConfig:
     workflow: str = "rlvr"
     max_turns: int = 3  # multi_turn: tries per sample
     turn_discount: float = 0.9  # multi_turn: the reward is multiplied by this for every extra turn
+    # failed episodes (errors, not rejections) in a row before the run stops with the first error; null = never
+    max_consecutive_failures: Optional[int] = 32
 
 
 @dataclass
@@ -127,6 +134,11 @@ class LoggingConfig:
     root_dir: str = "runs"  # run directory = root_dir/experiment_name/trial_name
     tensorboard: bool = True
     level: str = "INFO"
+
+
+def api_key(cfg: "RunConfig") -> Optional[str]:
+    """The inference API key of a run, from the environment (`inference.api_key_env`); None when unset."""
+    return os.environ.get(cfg.inference.api_key_env) or None
 
 
 @dataclass
@@ -209,6 +221,15 @@ def validate(cfg: RunConfig) -> None:
     _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
     _choice("inference.backend", inf.backend, ("embedded", "sglang", "simulated"))
     _positive("inference.request_timeout", inf.request_timeout)
+    if inf.api_key is not None:
+        raise ConfigError(f"inference.api_key must not be set: it would be written to the run's config.yaml; export "
+                          f"the key in the environment variable {inf.api_key_env} (inference.api_key_env) instead")
+    if not inf.api_key_env or not inf.api_key_env.replace("_", "").isalnum():
+        raise ConfigError(f"inference.api_key_env={inf.api_key_env!r} must be an environment variable name")
+    _positive("inference.max_retries", inf.max_retries, allow_zero=True)
+    _positive("inference.unhealthy_timeout", inf.unhealthy_timeout)
+    if r.max_consecutive_failures is not None:
+        _positive("rollout.max_consecutive_failures", r.max_consecutive_failures)
     if inf.backend == "sglang" and not inf.addresses and not cfg.model.path:
         raise ConfigError("inference.backend=sglang needs inference.addresses or model.path to launch servers")
     _positive("rollout.consumer_batch_size", r.consumer_batch_size)

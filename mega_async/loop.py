@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mega_async.config import RunConfig, save_config
+from mega_async.config import RunConfig, api_key, save_config
 from mega_async.data import gsm8k_items, load_rows, synthetic_items
 from mega_async.inference.service import InferenceService
 from mega_async.metrics import Metrics, RewardTracker, prefixed
@@ -209,7 +209,7 @@ def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Opti
     if dist.get_world_size() > 1:
         dist.broadcast_object_list(box, src=0, group=group)
     addresses, gpus = box[0]
-    return DistributedWeightSync(engine.models, version, rollout, addresses, api_key=cfg.inference.api_key,
+    return DistributedWeightSync(engine.models, version, rollout, addresses, api_key=api_key(cfg),
                                  bucket_bytes=t.sync_bucket_bytes, load_format=t.sync_load_format,
                                  backend=t.sync_backend, gpus_per_server=gpus,
                                  master_address=t.sync_master_address, **kw)

@@ -9,6 +9,11 @@ from typing import Any, Sequence
 import torch
 
 
+class FatalEngineError(RuntimeError):
+    """An inference error that retrying cannot fix (bad credentials, a request the model can never serve, no
+    server left): the rollout executor stops at the first one instead of resubmitting."""
+
+
 class WeightVersion:
     """The weight version of a run. One owner bumps it (the weight sync, or a standalone driver); the
     staleness manager, the client and the trainer read the same object, so they can never disagree."""

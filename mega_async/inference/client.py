@@ -2,9 +2,11 @@
 
 agenerate: send /generate -> append tokens, logprobs, versions -> on abort with budget left,
 wait while paused, resubmit prompt + tokens so far (AReaL's interruption loop).
-Servers are picked by fewest in-flight requests, sticky per request id; connection errors and
-5xx are retried with backoff, a dead server is marked unhealthy, its requests rerouted, and it
-is re-admitted once /health answers again.
+Servers are picked by fewest in-flight requests, sticky per request id. Connection errors are retried
+with backoff: the server is marked unhealthy, its requests rerouted, and it is re-admitted once /health
+answers again. A server that answers 5xx more than `max_retries` times in a row is dropped for good (its
+/health may still answer). 401/403, a request over the context length, and no usable server within
+`unhealthy_timeout` raise `FatalEngineError`: retrying cannot fix them.
 """
 from __future__ import annotations
 
@@ -17,17 +19,43 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
-from mega_async.types import ModelRequest, ModelResponse, WeightVersion
+from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
 
 
-class NoHealthyServerError(RuntimeError):
-    pass
+class NoHealthyServerError(FatalEngineError):
+    """No server could take a request within `unhealthy_timeout` (or every server was dropped)."""
 
 
 class ServerError(RuntimeError):
-    """A server answered a control call with an error."""
+    """A server answered a request or a control call with an error."""
+
+
+class FatalServerError(ServerError, FatalEngineError):
+    """A server's answer that no retry can change: 401/403, or a request longer than the model's context."""
+
+
+def _error_message(body: Any) -> str:
+    """The message of an SGLang / OpenAI-style error body ({"error": {"message"}}, {"message"}, {"detail"} or text)."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        return str(body.get("message") or err or body.get("detail") or body)
+    return str(body).strip()
+
+
+def classify_status(address: str, path: str, status: int, body: Any) -> ServerError:
+    """The error for a non-200, non-5xx answer: fatal when retrying cannot help."""
+    msg = _error_message(body)
+    if status in (401, 403):
+        return FatalServerError(f"{address}{path} answered {status} ({msg}): the API key is missing or wrong; "
+                                "export it in the variable named by inference.api_key_env")
+    if status == 400 and "context length" in msg.lower():
+        return FatalServerError(f"{address}{path} answered 400: {msg}; lower rollout.max_new_tokens or "
+                                "data.max_prompt_tokens")
+    return ServerError(f"{address}{path} answered {status}: {msg}")
 
 
 @dataclass
@@ -36,7 +64,8 @@ class _Server:
     healthy: bool = True
     in_flight: int = 0
     last_probe: float = 0.0
-    failures: int = field(default=0)
+    failures: int = field(default=0)  # 5xx answers in a row
+    dropped: Optional[str] = None  # why it was dropped for good (kept answering 5xx)
 
 
 class SGLangClient:
@@ -104,10 +133,20 @@ class SGLangClient:
             status, _ = await self._request("GET", s, "/health", timeout=2.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
-        if status == 200 and not s.healthy:
+        if status == 200 and not s.healthy and s.dropped is None:
             logger.info("server %s is healthy again; re-admitted", s.address)
             s.healthy, s.failures = True, 0
         return status == 200
+
+    def _drop(self, s: _Server, why: str) -> None:
+        if s.dropped is None:
+            logger.error("server %s dropped: %s", s.address, why)
+        s.dropped, s.healthy = why, False
+
+    def _no_server_error(self, waited: Optional[float]) -> NoHealthyServerError:
+        why = "; ".join(f"{s.address}: {s.dropped or 'unreachable'}" for s in self.servers)
+        after = f" for {waited:.0f}s" if waited is not None else ""
+        return NoHealthyServerError(f"no usable inference server{after} ({why}); check the servers' logs")
 
     def _mark_unhealthy(self, s: _Server, why: str) -> None:
         if s.healthy:
@@ -119,7 +158,10 @@ class SGLangClient:
         deadline = time.monotonic() + self.unhealthy_timeout
         while True:
             now = time.monotonic()
-            stale = [s for s in self.servers if not s.healthy and now - s.last_probe >= self.health_check_interval]
+            if all(s.dropped for s in self.servers):
+                raise self._no_server_error(None)
+            stale = [s for s in self.servers
+                     if not s.healthy and not s.dropped and now - s.last_probe >= self.health_check_interval]
             if stale:
                 await asyncio.gather(*(self._probe(s) for s in stale))
             healthy = [s for s in self.servers if s.healthy]
@@ -131,19 +173,19 @@ class SGLangClient:
                         self._sticky[rid] = s
                 return s
             if time.monotonic() >= deadline:
-                raise NoHealthyServerError(
-                    f"no healthy inference server among {self.addresses} for {self.unhealthy_timeout:.0f}s; "
-                    "check that the servers are running (see their logs)"
-                )
+                raise self._no_server_error(self.unhealthy_timeout)
             await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
 
     async def _generate_once(self, rid: str, payload: dict) -> dict:
-        """POST /generate with retries; reroutes to another server when one dies."""
+        """POST /generate with retries; reroutes to another server when one dies. A retry gets its own request
+        id: the server may still hold the first attempt under the old one."""
         attempt = 0
+        first_rid = payload["rid"]
         while True:
             s = await self._choose(rid)
             s.in_flight += 1
             try:
+                payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
                 status, body = await self._request("POST", s, "/generate", payload)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
                 self._mark_unhealthy(s, f"{type(e).__name__}: {e}")
@@ -155,14 +197,15 @@ class SGLangClient:
                 s.in_flight -= 1
             if status >= 500:
                 s.failures += 1
-                if s.failures > self.max_retries:
-                    self._mark_unhealthy(s, f"HTTP {status}")
+                attempt += 1
+                if s.failures > self.max_retries:  # /health may still answer: never re-admitted
+                    self._drop(s, f"/generate answered {status} {s.failures} times in a row: {_error_message(body)[:200]}")
                     self._sticky.pop(rid, None)
+                    continue  # reroute at once
                 await asyncio.sleep(self.retry_backoff * 2 ** min(s.failures, 6))
                 continue
             if status != 200:
-                msg = body.get("message") or body.get("error") if isinstance(body, dict) else body
-                raise ServerError(f"{s.address}/generate answered {status}: {msg}")
+                raise classify_status(s.address, "/generate", status, body)
             s.failures = 0
             return body
 
@@ -171,9 +214,12 @@ class SGLangClient:
         while not self._unpaused.is_set():
             await asyncio.sleep(0.01)
 
-    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+    async def agenerate(self, req: ModelRequest, resume: Optional[ModelResponse] = None) -> ModelResponse:
+        """Generate until stop or `max_new_tokens`, across interruptions. `resume`: a partial response of this
+        request (e.g. from a checkpoint) to continue; it is extended in place, so its owner sees every token
+        as it arrives."""
         t0 = time.monotonic()
-        resp = ModelResponse(input_tokens=list(req.input_ids))
+        resp = resume if resume is not None else ModelResponse(input_tokens=list(req.input_ids))
         rounds = 0
         try:
             while len(resp.output_tokens) < req.max_new_tokens:

@@ -66,7 +66,9 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
         # CPU servers on one host share its cores; oversubscribed OpenMP threads spin against each other
         cmd += ["--num-threads", str(spec.num_threads or max(1, (os.cpu_count() or 1) // spec.num_servers))]
     elif spec.backend == "sglang":
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
+        # through a shim that reads the API key from the environment (never on a command line)
+        entry = "mega_async.inference.sglang_entry" if spec.api_key else "sglang.launch_server"
+        cmd = [sys.executable, "-m", entry, "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
                "--skip-server-warmup", "--disable-radix-cache"]
         if spec.base_gpu_id is not None:
@@ -83,9 +85,19 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
             cmd += ["--dtype", spec.dtype]
     else:
         raise ValueError(f"backend {spec.backend!r}: use embedded or sglang")
-    if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
     return cmd + list(spec.extra_args)
+
+
+API_KEY_ENV = "MEGA_ASYNC_API_KEY"  # what the embedded server and the SGLang shim read
+
+
+def server_env(spec: ServerSpec) -> dict[str, str]:
+    """The servers' environment: the API key travels here, so `ps` and /proc/<pid>/cmdline never show it."""
+    env = dict(os.environ)
+    env.pop(API_KEY_ENV, None)
+    if spec.api_key:
+        env[API_KEY_ENV] = spec.api_key
+    return env
 
 
 class ServerLauncher:
@@ -111,7 +123,7 @@ class ServerLauncher:
                 log = self.log_dir / f"server{i}.log"
                 cmd = server_command(self.spec, port, i)
                 logger.info("starting server %d: %s", i, " ".join(cmd))
-                env = dict(os.environ)
+                env = server_env(self.spec)
                 if "--num-threads" in cmd:
                     env["OMP_NUM_THREADS"] = cmd[cmd.index("--num-threads") + 1]
                 with log.open("wb") as f:

@@ -11,7 +11,7 @@ import os
 from typing import Any, Optional
 
 from mega_async.allocation import parse_allocation
-from mega_async.config import ConfigError, RunConfig
+from mega_async.config import ConfigError, RunConfig, api_key
 from mega_async.types import WeightVersion
 
 logger = logging.getLogger("mega_async.inference.service")
@@ -88,7 +88,7 @@ class InferenceService:
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         addresses = list(inf.addresses)
         if not addresses:
-            spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=inf.api_key,
+            spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=api_key(cfg),
                               tp_size=tp, ep_size=ep,
                               dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args,
                               weights_root=str(weights_root) if weights_root else None,
@@ -97,7 +97,8 @@ class InferenceService:
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
             addresses = self.launcher.start()
         self.addresses = addresses
-        self.engine = SGLangClient(addresses, api_key=inf.api_key, request_timeout=inf.request_timeout,
+        self.engine = SGLangClient(addresses, api_key=api_key(cfg), request_timeout=inf.request_timeout,
+                                   max_retries=inf.max_retries, unhealthy_timeout=inf.unhealthy_timeout,
                                    version=version)
 
     def close(self) -> None:

@@ -4,6 +4,11 @@ submit(item) -> [pending, capped at (eta+1)*B] -> admitted when capacity > 0 (he
 recorded) -> workflow.arun_episode -> accepted | rejected -> wait()/prepare_batch() hand out
 accepted results oldest head version first.
 
+Failures: an episode that raises counts as failed and its item is not retried. After
+`max_consecutive_failures` failed episodes in a row, or at once on a `FatalEngineError` (bad API key,
+request over the context length, no usable server), the executor stops admitting and every wait()/
+prepare_batch() raises `RolloutError` with the first error, instead of resubmitting without end.
+
 Ordering guarantee: a batch is only handed out when no still-running episode has an older head
 version than any result in it. Together with the capacity rule this bounds staleness strictly:
 a result consumed at version s has head version >= s - eta.
@@ -21,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import RolloutWorkflow
-from mega_async.types import WeightVersion
+from mega_async.types import FatalEngineError, WeightVersion
 
 logger = logging.getLogger("mega_async.rollout.executor")
 
@@ -30,6 +35,10 @@ AcceptFn = Callable[[dict], bool]
 
 class ExecutorQueueFull(RuntimeError):
     """More items submitted than the pending-input cap (eta+1)*B allows."""
+
+
+class RolloutError(RuntimeError):
+    """Rollout stopped: an error retrying cannot fix, or too many failed episodes in a row."""
 
 
 class WorkflowExecutor:
@@ -44,6 +53,7 @@ class WorkflowExecutor:
         should_accept: AcceptFn | None = None,
         poll_interval: float = 0.05,
         version: WeightVersion | None = None,
+        max_consecutive_failures: int | None = 32,
     ):
         self.engine = engine
         self.workflow = workflow
@@ -66,6 +76,10 @@ class WorkflowExecutor:
         self._done_by_head: collections.Counter[int] = collections.Counter()
         self._counts = {"accepted": 0, "rejected": 0, "failed": 0, "filtered": 0, "consumed": 0}
         self._data_iters: dict[int, tuple[Any, Iterator]] = {}
+        self.max_consecutive_failures = max_consecutive_failures
+        self._failures_in_row = 0
+        self._first_failure: Optional[str] = None  # of the current run of failures
+        self._fatal: Optional[RolloutError] = None
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
@@ -78,6 +92,7 @@ class WorkflowExecutor:
             max_concurrent_rollouts=rollout_cfg.max_concurrent_rollouts,
             should_accept=should_accept,
             version=version,
+            max_consecutive_failures=rollout_cfg.max_consecutive_failures,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -97,6 +112,8 @@ class WorkflowExecutor:
     # ---- producer --------------------------------------------------------------------------
     def submit(self, data: Any, workflow: RolloutWorkflow | None = None) -> int:
         """Queue one item (one prompt group) for an episode; returns its task id."""
+        if self._fatal is not None:
+            raise self._fatal
         wf = workflow or self.workflow
         if wf is None:
             raise ValueError("no workflow: pass one to submit() or to WorkflowExecutor(...)")
@@ -144,6 +161,7 @@ class WorkflowExecutor:
                     verdict = "failed"
                     logger.warning("should_accept raised %r on episode %d (item: %.200r)", e, tid, data)
             self._counts[verdict] += 1
+            self._track_failures(verdict, exc)
             if verdict == "accepted":
                 self.staleness.on_accepted()
                 heapq.heappush(self._done, (head, tid, result))
@@ -151,6 +169,26 @@ class WorkflowExecutor:
             else:
                 self.staleness.on_rejected()
             self._cond.notify_all()
+
+    def _track_failures(self, verdict: str, exc: Optional[BaseException]) -> None:
+        """Caller holds the lock. Stop the rollout on a fatal error or too many failures in a row."""
+        if verdict != "failed":
+            self._failures_in_row, self._first_failure = 0, None
+            return
+        self._failures_in_row += 1
+        what = f"{type(exc).__name__}: {exc}" if exc is not None else "should_accept raised"
+        self._first_failure = self._first_failure or what
+        if self._fatal is not None:
+            return
+        if isinstance(exc, FatalEngineError):
+            self._fatal = RolloutError(f"rollout stopped: {what}")
+        elif self.max_consecutive_failures and self._failures_in_row >= self.max_consecutive_failures:
+            self._fatal = RolloutError(
+                f"rollout stopped: {self._failures_in_row} episodes failed in a row "
+                f"(rollout.max_consecutive_failures={self.max_consecutive_failures}); first error: {self._first_failure}")
+        if self._fatal is not None:
+            logger.error("%s", self._fatal)
+            self._runner.pause()  # nothing new starts; wait()/prepare_batch() raise
 
     # ---- consumer --------------------------------------------------------------------------
     def _ready(self, count: int) -> bool:
@@ -178,6 +216,8 @@ class WorkflowExecutor:
             del counter[key]
 
     def _check_alive(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
         self._runner.check()
 
     def wait(self, count: int, timeout: float | None = None) -> list[dict]:
@@ -260,7 +300,8 @@ class WorkflowExecutor:
         self._runner.pause()
 
     def resume(self) -> None:
-        self._runner.resume()
+        if self._fatal is None:  # a stopped rollout stays stopped
+            self._runner.resume()
 
     def set_version(self, v: int) -> None:
         self.staleness.set_version(v)

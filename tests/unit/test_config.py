@@ -125,3 +125,22 @@ def test_servers_come_from_the_allocation_alone():
     assert main(["train", "inference.backend=simulated"]) == 2  # nothing to update: refused in one line
     with pytest.raises(ConfigError, match="below the trainer's data-parallel size 4"):
         load_config(None, ["parallel.allocation=sglang:d1+megatron:d4", "rollout.consumer_batch_size=2"])
+
+
+def test_api_key_is_never_taken_from_the_config(tmp_path, monkeypatch):
+    from mega_async.config import api_key, load_config, save_config
+
+    with pytest.raises(ConfigError, match=r"inference.api_key must not be set: .*config.yaml.*MEGA_ASYNC_API_KEY"):
+        load_config(None, ["inference.api_key=s3cret"])
+    cfg = load_config(None, ["inference.api_key_env=MY_KEY"])
+    monkeypatch.setenv("MY_KEY", "s3cret")
+    assert api_key(cfg) == "s3cret"
+    assert "s3cret" not in save_config(cfg, tmp_path).read_text()
+    with pytest.raises(ConfigError, match="inference.api_key_env"):
+        load_config(None, ["inference.api_key_env=not a name"])
+
+
+def test_failure_limits_are_validated():
+    for bad in ("inference.max_retries=-1", "inference.unhealthy_timeout=0", "rollout.max_consecutive_failures=0"):
+        with pytest.raises(ConfigError, match=bad.split("=")[0]):
+            load_config(None, [bad])

@@ -1,0 +1,102 @@
+"""Failure semantics of the rollout layer against real servers: every path stops with one clear error,
+within a bound, instead of resubmitting without end."""
+import asyncio
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+from mega_async.comm import free_port
+from mega_async.inference.client import SGLangClient
+from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.rollout.executor import RolloutError, WorkflowExecutor
+from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
+
+ITEMS = [{"input_ids": [1 + i % 50, 2, 3], "answer": i} for i in range(500)]
+
+
+def executor(client, max_new_tokens=4, max_failures=32):
+    wf = GroupWorkflow(RLVRWorkflow(lambda p, c, **kw: 1.0, max_new_tokens=max_new_tokens), 2)
+    return WorkflowExecutor(client, wf, consumer_batch_size=2, max_staleness=1, max_consecutive_failures=max_failures)
+
+
+class BrokenServer:
+    """A server whose /health answers 200 and whose /generate always answers 500 (a wedged engine)."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.generate_calls = 0
+        app = web.Application()
+        app.router.add_get("/health", lambda r: web.Response(text="ok"))
+        app.router.add_post("/generate", self._generate)
+        self._runner = web.AppRunner(app)
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        threading.Thread(target=self._main, daemon=True).start()
+        self._ready.wait(10)
+
+    async def _generate(self, request):
+        self.generate_calls += 1
+        return web.json_response({"error": {"message": "CUDA error: an illegal memory access"}}, status=500)
+
+    def _main(self):
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    @property
+    def address(self):
+        return f"127.0.0.1:{self.port}"
+
+
+def test_no_server_alive_stops_within_unhealthy_timeout():
+    dead = [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+    client = SGLangClient(dead, unhealthy_timeout=2.0, health_check_interval=0.2, retry_backoff=0.05)
+    t0 = time.monotonic()
+    with executor(client) as ex:
+        with pytest.raises(RolloutError, match=r"no usable inference server for 2s \(http://127\.0\.0\.1:\d+: unreachable"):
+            ex.prepare_batch(ITEMS)
+    assert time.monotonic() - t0 < 2.0 + 8.0
+    assert ex.stats["failed"] <= 4  # the first admitted episodes, not thousands of resubmissions
+
+
+def test_wrong_api_key_stops_at_once(weights_root, tmp_path):
+    spec = ServerSpec("embedded", str(weights_root / "v0"), api_key="right", weights_root=str(weights_root))
+    with ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120) as launcher:
+        client = SGLangClient(launcher.addresses, api_key="wrong")
+        t0 = time.monotonic()
+        with executor(client) as ex:
+            with pytest.raises(RolloutError, match=r"answered 401 .*API key is missing or wrong.*api_key_env"):
+                ex.prepare_batch(ITEMS)
+        assert time.monotonic() - t0 < 10
+        assert ex.stats["failed"] <= 4
+
+
+def test_request_over_the_context_length_stops_at_once(server):
+    client = SGLangClient(server.addresses)
+    with executor(client, max_new_tokens=100_000) as ex:
+        with pytest.raises(RolloutError, match=r"answered 400: .*context length.*lower rollout.max_new_tokens"):
+            ex.prepare_batch(ITEMS)
+    assert ex.stats["failed"] <= 4
+
+
+def test_server_answering_500_is_dropped_although_health_answers(server):
+    broken = BrokenServer()
+    client = SGLangClient([broken.address, *server.addresses], max_retries=2, retry_backoff=0.01)
+    with executor(client) as ex:
+        for _ in range(3):
+            assert len(ex.prepare_batch(ITEMS)) == 2
+            ex.set_version(ex.version + 1)
+    assert client.servers[0].dropped and "answered 500 3 times in a row" in client.servers[0].dropped
+    calls = broken.generate_calls
+    assert calls <= 4  # 1 + max_retries, then never again even though /health answers 200
+
+    only_broken = SGLangClient([broken.address], max_retries=2, retry_backoff=0.01, unhealthy_timeout=60)
+    t0 = time.monotonic()
+    with executor(only_broken) as ex:
+        with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: /generate answered 500"):
+            ex.prepare_batch(ITEMS)
+    assert time.monotonic() - t0 < 10  # not the 60 s unhealthy_timeout: a dropped server never comes back

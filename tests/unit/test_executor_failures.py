@@ -1,0 +1,85 @@
+"""The executor stops (never spins) on errors retrying cannot fix and on long runs of failed episodes."""
+import asyncio
+import time
+
+import pytest
+
+from mega_async.inference.simulated import SimulatedEngine
+from mega_async.rollout.executor import RolloutError, WorkflowExecutor
+from mega_async.rollout.workflow import RolloutWorkflow
+from mega_async.types import FatalEngineError
+
+
+class Failing(RolloutWorkflow):
+    """Raises `exc` for items with fail=True; returns the item otherwise."""
+
+    def __init__(self, exc_factory):
+        self.exc_factory = exc_factory
+        self.calls = 0
+
+    async def arun_episode(self, engine, data):
+        self.calls += 1
+        await asyncio.sleep(0.001)
+        if data.get("fail", True):
+            raise self.exc_factory(data["id"])
+        return {"id": data["id"]}
+
+
+def items(n, **kw):
+    return [{"id": i, **kw} for i in range(n)]
+
+
+def test_consecutive_failures_stop_with_the_first_error():
+    wf = Failing(lambda i: ValueError(f"broken item {i}"))
+    ex = WorkflowExecutor(SimulatedEngine(), wf, consumer_batch_size=2, max_staleness=1, max_consecutive_failures=5)
+    t0 = time.monotonic()
+    with ex:
+        with pytest.raises(RolloutError, match=r"5 episodes failed in a row .*max_consecutive_failures=5.*"
+                                               r"first error: ValueError: broken item 0"):
+            ex.prepare_batch(items(1000))
+    assert time.monotonic() - t0 < 5
+    assert wf.calls < 20  # it stopped instead of drawing the whole dataset
+    assert ex.stats["failed"] >= 5
+
+
+def test_fatal_error_stops_at_once_and_stays_stopped():
+    wf = Failing(lambda i: FatalEngineError(f"401 for item {i}"))
+    ex = WorkflowExecutor(SimulatedEngine(), wf, consumer_batch_size=2, max_staleness=1, max_consecutive_failures=None)
+    with ex:
+        with pytest.raises(RolloutError, match="rollout stopped: FatalEngineError: 401 for item"):
+            ex.prepare_batch(items(1000))
+        ex.resume()  # a weight sync resumes the executor: a stopped rollout must stay stopped
+        assert ex.paused
+        with pytest.raises(RolloutError):
+            ex.submit({"id": -1})
+        with pytest.raises(RolloutError):
+            ex.wait(1, timeout=1)
+    assert wf.calls <= 4  # at most what was admitted before the first failure came back
+
+
+def test_success_resets_the_failure_count():
+    class Alternating(RolloutWorkflow):
+        async def arun_episode(self, engine, data):
+            await asyncio.sleep(0.001)
+            if data["id"] % 3:
+                raise ValueError("flaky")
+            return {"id": data["id"]}
+
+    ex = WorkflowExecutor(SimulatedEngine(), Alternating(), consumer_batch_size=2, max_staleness=0,
+                          max_concurrent_rollouts=1, max_consecutive_failures=3)
+    with ex:
+        for _ in range(3):
+            out = ex.prepare_batch(items(300))
+            ex.set_version(ex.version + 1)
+            assert len(out) == 2
+    assert ex.stats["failed"] >= 4
+
+
+def test_null_limit_keeps_going_on_non_fatal_errors():
+    wf = Failing(lambda i: ValueError("x"))
+    data = items(40) + [{"id": 1000 + i, "fail": False} for i in range(2)]
+    ex = WorkflowExecutor(SimulatedEngine(), wf, consumer_batch_size=2, max_staleness=0,
+                          max_consecutive_failures=None)
+    with ex:
+        out = ex.prepare_batch(data)
+    assert sorted(r["id"] for r in out) == [1000, 1001]
