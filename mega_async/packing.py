@@ -104,6 +104,24 @@ def pack(seqs: Sequence[torch.Tensor], align: int = 1, pad_to: int | None = None
     return Packed(torch.cat(parts), torch.cat(pos), cu, lengths, padded)
 
 
+def cp_partition_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Positions of the packed stream that context-parallel rank `cp_rank` holds, in Megatron's load-balanced
+    layout: each sequence in 2 x cp equal chunks, rank r taking chunks r and 2cp-1-r (as TE's
+    thd_get_partitioned_indices). Segment lengths in `cu_seqlens` must be multiples of 2 x cp."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} is outside a context-parallel group of {cp_size}")
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    parts = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if (e - s) % (2 * cp_size):
+            raise ValueError(f"a packed segment of {e - s} tokens cannot split into 2 x cp={2 * cp_size} chunks; "
+                             f"pad with align=seq_alignment(tp, cp)")
+        c = (e - s) // (2 * cp_size)
+        parts += [torch.arange(s + cp_rank * c, s + (cp_rank + 1) * c),
+                  torch.arange(s + (2 * cp_size - 1 - cp_rank) * c, s + (2 * cp_size - cp_rank) * c)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
 def unpack(values: torch.Tensor, packed: Packed) -> list[torch.Tensor]:
     """Split a per-token tensor of the stream ([T, ...]) back into the real (unpadded) sequences."""
     starts = packed.cu_seqlens[:-1].tolist()

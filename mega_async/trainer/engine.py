@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty
-from mega_async.packing import Packed, allocate_micro_batches, pack, seq_alignment
+from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
 
 logger = logging.getLogger("mega_async.trainer.engine")
 
@@ -71,6 +71,16 @@ class MicroBatch:
     advantages: torch.Tensor  # [T]
     versions: torch.Tensor  # [T]
     rows: list[int]
+    cp_index: Optional[torch.Tensor] = None  # with CP: this rank's positions of the stream (load-balanced chunks)
+
+    def cp_local(self) -> "MicroBatch":
+        """The per-token fields at this CP rank's positions (the whole micro-batch without CP)."""
+        if self.cp_index is None:
+            return self
+        i = self.cp_index
+        return MicroBatch(self.packed, self.labels[i], self.loss_mask[i], self.behav[i],
+                          None if self.prox is None else self.prox[i], None if self.ref is None else self.ref[i],
+                          self.advantages[i], self.versions[i], self.rows, i)
 
 
 class MegatronTrainEngine:
@@ -150,7 +160,7 @@ class MegatronTrainEngine:
         padded = [-(-n // align) * align for n in lengths]
         count = torch.tensor(len(allocate_micro_batches(padded, self.cfg.max_tokens_per_mb, self.pp)))
         if dist.is_initialized():  # every DP rank runs the same number of micro-batches
-            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group())
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group(with_context_parallel=True))
         groups = allocate_micro_batches(padded, self.cfg.max_tokens_per_mb, self.pp, min_count=int(count))
         mbs = []
         for g in groups:
@@ -167,8 +177,23 @@ class MegatronTrainEngine:
             mbs.append(MicroBatch(p, cat("labels").long(), cat("mask"), cat("behav"),
                                   cat("prox") if sel[0]["prox"] is not None else None,
                                   cat("ref") if sel[0]["ref"] is not None else None, cat("adv"),
-                                  cat("versions", -1).long(), [idx[j] for j in g]))
+                                  cat("versions", -1).long(), [idx[j] for j in g], self._cp_index(p)))
         return mbs
+
+    def _cp_index(self, p: Packed) -> Optional[torch.Tensor]:
+        """This CP rank's stream positions: TE's own partitioning on GPU (its THD attention expects it), the
+        same load-balanced layout computed here on CPU."""
+        if self.cp == 1:
+            return None
+        from megatron.core import parallel_state as mpu
+
+        rank = mpu.get_context_parallel_rank()
+        if self.bridge.use_te:
+            import transformer_engine_torch as tex  # GPU only
+
+            cu = p.cu_seqlens.to(_device())
+            return tex.thd_get_partitioned_indices(cu, p.tokens.numel(), self.cp, rank).long().cpu()
+        return cp_partition_index(p.cu_seqlens, self.cp, rank)
 
     # ---- forward plumbing -------------------------------------------------------------------
     def _run(self, mbs: list[MicroBatch], loss_fn: Any, forward_only: bool,
@@ -178,14 +203,17 @@ class MegatronTrainEngine:
 
         def step(it: Iterator[MicroBatch], model: torch.nn.Module) -> Any:
             mb = next(it)
+            # cu_seqlens count whole sequences; with CP the model sees this rank's 1/cp of the stream
             cu = mb.packed.cu_seqlens.to(_device())
             psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                   max_seqlen_q=mb.packed.max_seqlen, max_seqlen_kv=mb.packed.max_seqlen)
-            out = model(mb.packed.tokens[None].to(_device()), mb.packed.position_ids[None].to(_device()), None,
-                        packed_seq_params=psp)
-            return out, lambda logits, non_loss_data=False, mb=mb: loss_fn(logits[0], mb)
+            tokens, pos = mb.packed.tokens, mb.packed.position_ids
+            if mb.cp_index is not None:
+                tokens, pos = tokens[mb.cp_index], pos[mb.cp_index]
+            out = model(tokens[None].to(_device()), pos[None].to(_device()), None, packed_seq_params=psp)
+            return out, lambda logits, non_loss_data=False, mb=mb.cp_local(): loss_fn(logits[0], mb)
 
-        max_t = max(mb.packed.tokens.numel() for mb in mbs)
+        max_t = max(mb.packed.tokens.numel() for mb in mbs) // self.cp
         models = models or (self.models if forward_only else self.ddp)
         return get_forward_backward_func()(
             forward_step_func=step, data_iterator=[iter(mbs) for _ in models], model=models,
@@ -212,13 +240,28 @@ class MegatronTrainEngine:
         group = mpu.get_pipeline_model_parallel_group()
         src = dist.get_global_rank(group, self.pp - 1) if self.pp > 1 else None
         for i, mb in enumerate(mbs):
-            t = outs[i] if last else torch.empty(mb.packed.tokens.numel())
+            t = outs[i] if last else torch.empty(mb.packed.tokens.numel() // self.cp)
             if self.pp > 1:
                 t = t.to(_device())
                 dist.broadcast(t, src, group=group)
                 t = t.cpu()
-            res.append(t)
+            res.append(self._cp_gather(t, mb))
         return res
+
+    def _cp_gather(self, local: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """This CP rank's per-token values -> the whole stream's, gathered over the CP group (every rank's
+        positions follow the load-balanced layout, which TE's partitioning shares)."""
+        if mb.cp_index is None:
+            return local
+        from megatron.core import parallel_state as mpu
+
+        group = mpu.get_context_parallel_group()
+        parts = [torch.empty_like(local) for _ in range(self.cp)]
+        dist.all_gather(parts, local.contiguous().to(_device()), group=group)
+        out = torch.empty(mb.packed.tokens.numel(), dtype=local.dtype)
+        for r, part in enumerate(parts):
+            out[cp_partition_index(mb.packed.cu_seqlens, self.cp, r)] = part.cpu()
+        return out
 
     def compute_logprobs(self, batch: dict[str, torch.Tensor], reference: bool = False) -> torch.Tensor:
         """Logprob of every token ([n, L], 0 on the first), without grad: the current policy (the proximal
@@ -273,7 +316,7 @@ class MegatronTrainEngine:
             group = mpu.get_pipeline_model_parallel_group()
             dist.broadcast(vec, dist.get_global_rank(group, self.pp - 1), group=group)
         if dist.is_initialized():
-            dist.all_reduce(vec, group=mpu.get_data_parallel_group())
+            dist.all_reduce(vec, group=mpu.get_data_parallel_group(with_context_parallel=True))
         sums = dict(zip(keys, vec.cpu().tolist()))
         tokens = max(sums.get("n_tokens", 0.0), 1.0)
         stats = {k: v / tokens for k, v in sums.items() if k != "n_tokens"}
