@@ -25,7 +25,7 @@ from mega_async.inference.service import InferenceService
 from mega_async.metrics import Metrics, RewardTracker, prefixed
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
-from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
+from mega_async.rollout.workflow import GroupWorkflow, make_workflow
 from mega_async.types import WeightVersion
 
 logger = logging.getLogger("mega_async.loop")
@@ -55,11 +55,7 @@ def reward_for(cfg: RunConfig) -> Callable[..., float]:
 def rollout_parts(cfg: RunConfig, service: InferenceService) -> tuple[list, GroupWorkflow, DynamicFilter | None]:
     """Dataset, GRPO group workflow and dynamic filter for a run (shared by both drivers)."""
     r = cfg.rollout
-    workflow = GroupWorkflow(
-        RLVRWorkflow(reward_for(cfg), tokenizer=service.tokenizer, max_new_tokens=r.max_new_tokens,
-                     temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward_timeout=r.reward_timeout),
-        r.group_size,
-    )
+    workflow = GroupWorkflow(make_workflow(cfg, service.tokenizer, reward_for(cfg)), r.group_size)  # rollout.workflow
     flt = DynamicFilter(max_consecutive_drops=r.dynamic_filter_max_drops) if r.dynamic_filter else None
     return build_dataset(cfg, service.vocab_size), workflow, flt
 

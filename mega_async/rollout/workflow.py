@@ -122,3 +122,139 @@ class RLVRWorkflow(RolloutWorkflow):
         if reward is None:
             return None
         return trajectory_from_response(prompt_ids, resp, reward)
+
+
+class Trajectory:
+    """One growing token sequence: prompt and feedback tokens (not trained) and model tokens (trained, with
+    their behaviour logprobs and versions)."""
+
+    def __init__(self, prompt_ids: list[int]):
+        self.ids = list(prompt_ids)
+        self.loss_mask = [0] * len(self.ids)
+        self.logprobs = [0.0] * len(self.ids)
+        self.versions = [-1] * len(self.ids)
+
+    def add_context(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
+
+    def add_output(self, resp: ModelResponse) -> None:
+        n = len(resp.output_tokens)
+        if not (len(resp.output_logprobs) == len(resp.output_versions) == n):
+            raise ValueError(f"response lengths disagree: {n} tokens, {len(resp.output_logprobs)} logprobs, "
+                             f"{len(resp.output_versions)} versions")
+        self.ids += list(resp.output_tokens)
+        self.loss_mask += [1] * n
+        self.logprobs += [float(x) for x in resp.output_logprobs]
+        self.versions += [int(v) for v in resp.output_versions]
+
+    def tensors(self, reward: float) -> dict[str, torch.Tensor]:
+        """The [1, L] trajectory dict."""
+        return {
+            "input_ids": torch.tensor([self.ids], dtype=torch.long),
+            "attention_mask": torch.ones(1, len(self.ids), dtype=torch.long),
+            "loss_mask": torch.tensor([self.loss_mask], dtype=torch.long),
+            "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
+            "versions": torch.tensor([self.versions], dtype=torch.long),
+            "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+        }
+
+
+DEFAULT_FEEDBACK = ("Your answer is wrong or could not be parsed. Read the question again, check your previous "
+                    "attempt, and answer again.")
+
+
+class MultiTurnWorkflow(RLVRWorkflow):
+    """Retry on a wrong answer: after a reward <= 0 a feedback user turn is appended (chat-template token ids,
+    never re-tokenized output) and the model tries again, up to `max_turns`; the reward of the answering turn
+    is multiplied by `turn_discount` per extra turn. Only model tokens are trained (loss_mask); each keeps the
+    logprob and version it was generated with, through interruptions. `feedback_ids` replaces the templated
+    feedback turn (for token-only tasks without a chat template)."""
+
+    def __init__(self, reward_fn: Callable[..., Any], tokenizer: Any = None, *, max_turns: int = 3,
+                 turn_discount: float = 0.9, feedback: str = DEFAULT_FEEDBACK,
+                 feedback_ids: Optional[list[int]] = None, max_context: Optional[int] = None, **kw: Any):
+        if max_turns < 1 or not 0 < turn_discount <= 1:
+            raise ValueError(f"max_turns={max_turns} must be >= 1 and turn_discount={turn_discount} in (0, 1]")
+        if tokenizer is None and feedback_ids is None and max_turns > 1:
+            raise ValueError("MultiTurnWorkflow needs a tokenizer with a chat template, or feedback_ids")
+        super().__init__(reward_fn, tokenizer, **kw)
+        self.max_turns, self.turn_discount = max_turns, turn_discount
+        self.feedback, self.feedback_ids, self.max_context = feedback, feedback_ids, max_context
+        if tokenizer is not None and kw.get("stop_token_ids") is None:
+            from mega_async.rollout.chat import end_of_turn_id
+
+            eot = end_of_turn_id(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+            if eot is not None and eot not in self.stop_token_ids:
+                self.stop_token_ids.append(eot)  # a turn ends where the template ends it
+
+    def encode(self, data: dict) -> tuple[list[int], str]:
+        if "messages" in data and self.tokenizer is not None:
+            from mega_async.rollout.chat import prompt_ids, render
+
+            return prompt_ids(self.tokenizer, data["messages"]), render(self.tokenizer, data["messages"], True)
+        if "prompt" in data and "input_ids" not in data and getattr(self.tokenizer, "chat_template", None):
+            msgs = [{"role": "user", "content": data["prompt"]}]
+            from mega_async.rollout.chat import prompt_ids
+
+            return prompt_ids(self.tokenizer, msgs), data["prompt"]
+        return super().encode(data)
+
+    def feedback_turn(self, output_ids: list[int]) -> list[int]:
+        """Token ids that close the model's turn and add the feedback user turn plus the generation prompt."""
+        if self.feedback_ids is not None:
+            return list(self.feedback_ids)
+        from mega_async.rollout.chat import close_ids, turn_ids
+
+        return close_ids(self.tokenizer, output_ids) + turn_ids(self.tokenizer, [{"role": "user",
+                                                                                   "content": self.feedback}])
+
+    async def arun_episode(self, engine: Any, data: Any) -> Optional[dict]:
+        prompt, prompt_text = self.encode(data)
+        item = {k: v for k, v in data.items() if k not in ("input_ids", "prompt", "messages")}
+        traj, discount, reward = Trajectory(prompt), 1.0, 0.0
+        for turn in range(self.max_turns):
+            req = ModelRequest(input_ids=list(traj.ids), stop_token_ids=self.stop_token_ids, **self.sampling)
+            resp = await engine.agenerate(req)
+            traj.add_output(resp)
+            item["output_tokens"] = resp.output_tokens
+            reward = await self.reward(prompt_text, self.decode(resp.output_tokens), **item)
+            if reward is None:
+                return None
+            if reward > 0 or turn == self.max_turns - 1:
+                break
+            nxt = self.feedback_turn(resp.output_tokens)
+            if self.max_context is not None and len(traj.ids) + len(nxt) + self.sampling["max_new_tokens"] > \
+                    self.max_context:
+                logger.debug("episode stops after turn %d: another turn would exceed %d tokens", turn, self.max_context)
+                break
+            traj.add_context(nxt)
+            discount *= self.turn_discount
+        return traj.tensors(reward * discount)
+
+
+def make_workflow(cfg: Any, tokenizer: Any, reward_fn: Callable[..., Any]) -> RolloutWorkflow:
+    """The episode workflow of `rollout.workflow`: rlvr, multi_turn, or a user's `package.module:factory`
+    called as factory(cfg, tokenizer, reward_fn)."""
+    r = cfg.rollout
+    kw = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+              reward_timeout=r.reward_timeout)
+    if r.workflow == "rlvr":
+        return RLVRWorkflow(reward_fn, tokenizer, **kw)
+    if r.workflow == "multi_turn":
+        ctx = getattr(tokenizer, "model_max_length", None)
+        return MultiTurnWorkflow(reward_fn, tokenizer, max_turns=r.max_turns, turn_discount=r.turn_discount,
+                                 max_context=ctx if isinstance(ctx, int) and ctx < 1 << 30 else None, **kw)
+    import importlib
+
+    module, _, name = r.workflow.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"rollout.workflow={r.workflow!r}: cannot load it ({type(e).__name__}: {e})") from None
+    wf = factory(cfg, tokenizer, reward_fn)
+    if not isinstance(wf, RolloutWorkflow):
+        raise ValueError(f"rollout.workflow={r.workflow!r} returned {type(wf).__name__}, not a RolloutWorkflow")
+    return wf
