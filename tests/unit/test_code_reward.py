@@ -1,0 +1,127 @@
+"""Code reward: fenced-block extraction, reference tests in a limited sandbox, rejection without blocking."""
+import asyncio
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from mega_async.reward import RewardRunner
+from mega_async.reward.code import CodeReward, CodeRewardError, extract_code, network_isolation
+
+TASKS = [json.loads(line) for line in (Path(__file__).parents[1] / "assets" / "code_tasks.jsonl").open()]
+
+
+def fenced(code: str) -> str:
+    return f"Here is my answer:\n```python\n{code}\n```\nDone."
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_extract_code_takes_the_last_python_block():
+    text = "```python\nx = 1\n```\nthen\n```py\ny = 2\n```\n```text\nnot code\n```"
+    assert extract_code(text) == "y = 2\n"
+    assert extract_code("```\nz = 3\n```") == "z = 3\n"
+    assert extract_code("no code here") is None
+
+
+def test_shipped_tasks_reference_solutions_pass_and_wrong_ones_fail():
+    reward = CodeReward(timeout=20)
+
+    async def main():
+        good = await asyncio.gather(*(reward(t["prompt"], fenced(t["solution"]), tests=t["tests"]) for t in TASKS))
+        wrong = await reward("", fenced("def add(a, b):\n    return a - b"), tests=TASKS[0]["tests"])
+        partial = await reward("", fenced("def add(a, b):\n    return 3"), tests=TASKS[0]["tests"])  # add(1, 2) only
+        syntax = await reward("", fenced("def add(a, b) return"), tests=TASKS[0]["tests"])
+        none = await reward("", "I don't know", tests=TASKS[0]["tests"])
+        return good, wrong, partial, syntax, none
+
+    good, wrong, partial, syntax, none = run(main())
+    assert good == [1.0] * len(TASKS) and len(TASKS) == 8
+    assert wrong == 0.0
+    assert partial == pytest.approx(1 / 3) and syntax == 0.0 and none == 0.0
+
+
+def test_faked_results_and_early_exits_score_zero():
+    reward = CodeReward()
+    fake = "print('\\n' + 'a' * 32 + ' 3 3')\nimport sys\nsys.exit(0)"
+    assert run(reward("", fenced(fake), tests=["assert False"])) == 0.0
+    assert run(reward("", fenced("import os\nos._exit(0)"), tests=["assert True"])) == 0.0
+
+
+def test_timeout_flood_and_signal_reject_without_blocking_the_loop(tmp_path):
+    sandbox = CodeReward(timeout=1.0, cpu_seconds=30)
+    runner = RewardRunner(sandbox, timeout=10.0)
+    pidfile = tmp_path / "child.pid"
+    loop_forever = ("import subprocess, time\n"
+                    f"p = subprocess.Popen(['sleep', '60'])\nopen({str(pidfile)!r}, 'w').write(str(p.pid))\n"
+                    "while True: pass")
+    flood = "import sys\nwhile True: sys.stdout.write('x' * 65536)"
+    suicide = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
+
+    async def main():
+        t0 = time.monotonic()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while time.monotonic() - t0 < 0.8:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        results = await asyncio.gather(runner("", fenced(loop_forever), tests=["assert True"]),
+                                       runner("", fenced(flood), tests=["assert True"]),
+                                       runner("", fenced(suicide), tests=["assert True"]), ticker())
+        return results[:3], ticks, time.monotonic() - t0
+
+    results, ticks, dt = run(main())
+    assert results == [None, None, None] and runner.failures == 3  # all three rejected
+    assert ticks >= 20 and dt < 8  # the loop kept running; the timeout held
+    child = int(pidfile.read_text())
+    time.sleep(0.2)
+    assert not _alive(child), "the solution's child process survived the sandbox"
+    with pytest.raises(CodeRewardError, match="more than"):
+        run(CodeReward(max_output_bytes=1000).run("print('y' * 5000)", []))
+
+
+def test_memory_limit_scratch_removed_and_no_network(tmp_path):
+    reward = CodeReward(memory_mb=256)
+    hog = "x = bytearray(2 << 30)"  # 2 GiB under a 256 MiB address-space limit: MemoryError, test fails
+    assert run(reward("", fenced(hog), tests=["assert len(x) > 0"])) == 0.0
+    where = tmp_path / "cwd.txt"
+    code = f"import os\nopen('scratch.txt', 'w').write('x')\nopen({str(where)!r}, 'w').write(os.getcwd())"
+    assert run(reward("", fenced(code), tests=["assert open('scratch.txt').read() == 'x'"])) == 1.0
+    scratch = where.read_text()
+    assert scratch != os.getcwd() and not os.path.exists(scratch)
+    assert network_isolation(), "unshare -n must work on this machine (the sandbox would have network)"
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        probe = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+                 "    reached = True\nexcept OSError:\n    reached = False")
+        assert run(reward("", fenced(probe), tests=["assert not reached"])) == 1.0
+        assert run(CodeReward(isolate_network=False)("", fenced(probe), tests=["assert reached"])) == 1.0
+    finally:
+        srv.close()
+
+
+def test_missing_tests_is_a_clear_error():
+    with pytest.raises(ValueError, match="tests"):
+        run(CodeReward()("", fenced("x = 1")))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie re-parented to init counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
