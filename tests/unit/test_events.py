@@ -1,0 +1,90 @@
+"""Event timeline: appends from threads and processes never interleave; spans; torn lines; the drawing."""
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from mega_async.events import EventLog, NullEventLog, draw_timeline, in_flight, read_events, spans
+
+WRITER = """
+import sys
+from mega_async.events import EventLog
+log = EventLog(sys.argv[1], rank=int(sys.argv[2]))
+for i in range(300):
+    log.emit("train_step_start", step=i, pad="x" * 2000)
+"""
+
+
+def test_concurrent_appends_from_threads_and_processes(tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = EventLog(path, rank=0)
+    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(r)]) for r in (1, 2)]
+    threads = [threading.Thread(target=lambda k=k: [log.emit("episode_admitted", task=k * 1000 + i)
+                                                     for i in range(200)]) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(p.wait(60) == 0 for p in procs)
+    log.close()
+    lines = path.read_text().splitlines()
+    events = read_events(path)
+    assert len(lines) == len(events) == 800 + 600  # every line whole and parseable
+    assert sorted(e["task"] for e in events if e["kind"] == "episode_admitted") == sorted(
+        k * 1000 + i for k in range(4) for i in range(200))
+    assert {e["rank"] for e in events} == {0, 1, 2}
+    assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+
+
+def test_span_records_failures_and_torn_lines_are_skipped(tmp_path):
+    path = tmp_path / "events.jsonl"
+    with EventLog(path) as log:
+        with log.span("sync", phase="push", version=1):
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError):
+            with log.span("sync", phase="pause"):
+                raise RuntimeError("boom")
+        log.child(rank=3).emit("train_step_start", step=0)
+    with path.open("a") as f:
+        f.write('{"t": 1.0, "kind": "trunc')  # a run killed mid-write
+    ev = read_events(path)
+    assert [e["kind"] for e in ev] == ["sync_start", "sync_end", "sync_start", "sync_end", "train_step_start"]
+    assert ev[1]["ok"] is True and ev[1]["seconds"] >= 0.01 and ev[1]["version"] == 1
+    assert ev[3]["ok"] is False and ev[4]["rank"] == 3
+    s = spans(ev, "sync", ("phase",))
+    assert [x["phase"] for x in s] == ["push", "pause"] and s[0]["end"] > s[0]["start"]
+    log.emit("after_close")  # a closed log records nothing and does not raise
+    NullEventLog().emit("x")
+    with NullEventLog().span("y"):
+        pass
+
+
+def test_in_flight_curve():
+    ev = [{"t": 1, "kind": "episode_admitted"}, {"t": 2, "kind": "episode_admitted"},
+          {"t": 3, "kind": "episode_finished"}, {"t": 4, "kind": "train_step_start"}]
+    assert in_flight(ev) == ([1, 2, 3], [1, 2, 1])
+
+
+def test_draw_timeline_lanes(tmp_path):
+    import matplotlib.image as mpimg
+
+    path = tmp_path / "events.jsonl"
+    t = 1000.0
+    lines = []
+    for i in range(6):
+        lines += [(t + i, "episode_admitted", {}), (t + i + 3.5, "episode_finished", {"verdict": "accepted"})]
+    lines += [(t + 2.5, "episode_interrupted", {}), (t + 2.6, "episode_resubmitted", {})]
+    for r in (0, 1):
+        lines += [(t + 4, "train_step_start", {"rank": r, "step": 0}), (t + 6, "train_step_end", {"rank": r, "step": 0})]
+    lines += [(t + 6.1, "sync_start", {"phase": "push"}), (t + 7.0, "sync_end", {"phase": "push"})]
+    import json
+
+    path.write_text("".join(json.dumps({"t": ts, "kind": k, **f}) + "\n" for ts, k, f in lines))
+    out = draw_timeline(path, tmp_path / "timeline.png")
+    img = mpimg.imread(out)
+    assert img.shape[0] > 300 and img.shape[1] > 1000
+    green = ((img[..., 1] > 0.45) & (img[..., 0] < 0.3) & (img[..., 2] < 0.3)).sum()
+    assert green > 2000  # the two training lanes are drawn
+    assert draw_timeline(tmp_path / "missing.jsonl", tmp_path / "none.png") is None
