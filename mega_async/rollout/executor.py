@@ -9,6 +9,11 @@ Failures: an episode that raises counts as failed and its item is not retried. A
 request over the context length, no usable server), the executor stops admitting and every wait()/
 prepare_batch() raises `RolloutError` with the first error, instead of resubmitting without end.
 
+Checkpoints: every episode runs against a `JournaledEngine`, so `snapshot()` (taken while paused) holds
+every item waiting, running (with its generation so far: tokens, logprobs, versions) or finished but not
+yet consumed; `restore()` puts them back with their head versions, and a running one continues from its
+last token. With a `Ledger`, every finished episode gets a line (accepted ones when consumed).
+
 Ordering guarantee: a batch is only handed out when no still-running episode has an older head
 version than any result in it. Together with the capacity rule this bounds staleness strictly:
 a result consumed at version s has head version >= s - eta.
@@ -21,8 +26,12 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from mega_async.rollout.dataloader import Sample
+from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
+from mega_async.rollout.ledger import Ledger
 from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import RolloutWorkflow
@@ -41,6 +50,15 @@ class RolloutError(RuntimeError):
     """Rollout stopped: an error retrying cannot fix, or too many failed episodes in a row."""
 
 
+@dataclass
+class _Task:
+    data: Any
+    tag: Optional[dict]
+    workflow: RolloutWorkflow
+    journal: EpisodeJournal = field(default_factory=EpisodeJournal)
+    head: Optional[int] = None  # set at admission
+
+
 class WorkflowExecutor:
     def __init__(
         self,
@@ -54,6 +72,7 @@ class WorkflowExecutor:
         poll_interval: float = 0.05,
         version: WeightVersion | None = None,
         max_consecutive_failures: int | None = 32,
+        ledger: Ledger | None = None,
     ):
         self.engine = engine
         self.workflow = workflow
@@ -80,6 +99,9 @@ class WorkflowExecutor:
         self._failures_in_row = 0
         self._first_failure: Optional[str] = None  # of the current run of failures
         self._fatal: Optional[RolloutError] = None
+        self.ledger = ledger
+        self._tasks: dict[int, _Task] = {}  # waiting, running, or finished and not yet consumed
+        self.batches_out = 0  # batches handed out (= the consuming training step)
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
@@ -110,36 +132,49 @@ class WorkflowExecutor:
         self.stop()
 
     # ---- producer --------------------------------------------------------------------------
-    def submit(self, data: Any, workflow: RolloutWorkflow | None = None) -> int:
-        """Queue one item (one prompt group) for an episode; returns its task id."""
+    def submit(self, data: Any, workflow: RolloutWorkflow | None = None, *, tag: Optional[dict] = None,
+               journal: Optional[EpisodeJournal] = None, head: Optional[int] = None) -> int:
+        """Queue one item (one prompt group) for an episode; returns its task id. `tag` names the item in the
+        ledger; `journal` and `head` restore an episode that was running at a checkpoint (it starts at once)."""
         if self._fatal is not None:
             raise self._fatal
         wf = workflow or self.workflow
         if wf is None:
             raise ValueError("no workflow: pass one to submit() or to WorkflowExecutor(...)")
         pending = self.staleness.enqueued
-        if pending >= self.max_pending:
+        if head is None and pending >= self.max_pending:
             raise ExecutorQueueFull(
                 f"{pending} items already wait for admission (cap (max_staleness+1)*B = {self.max_pending}); "
                 "consume results with wait()/prepare_batch() before submitting more"
             )
         tid = next(self._ids)
+        task = _Task(data, tag, wf, journal or EpisodeJournal())
+        with self._cond:
+            self._tasks[tid] = task
         self.staleness.on_enqueued()
 
         async def episode(head_version: int) -> Any:
             with self._cond:
+                task.head = head_version
                 self._running_heads[tid] = head_version
                 self._running_by_head[head_version] += 1
-            return await wf.arun_episode(self.engine, data)
+            return await wf.arun_episode(JournaledEngine(self.engine, task.journal), data)
 
         def on_done(task_id: int, result: Any, exc: Optional[BaseException]) -> None:
             self._on_done(task_id, data, result, exc)
 
         try:
-            self._runner.submit(tid, episode, on_done)
+            if head is None:
+                self._runner.submit(tid, episode, on_done)
+            else:
+                self.staleness.on_submitted()  # admitted before the checkpoint: counted as running again
+                self._runner.start_admitted(tid, episode, head, on_done)
         except RunnerError:
-            self.staleness.on_submitted()
+            if head is None:
+                self.staleness.on_submitted()
             self.staleness.on_rejected()
+            with self._cond:
+                self._tasks.pop(tid, None)
             raise
         return tid
 
@@ -147,6 +182,7 @@ class WorkflowExecutor:
         with self._cond:
             head = self._running_heads.pop(tid)
             self._dec(self._running_by_head, head)
+            task = self._tasks[tid]
             verdict = "accepted"
             if exc is not None:
                 verdict = "failed"
@@ -168,6 +204,10 @@ class WorkflowExecutor:
                 self._done_by_head[head] += 1
             else:
                 self.staleness.on_rejected()
+                del self._tasks[tid]
+                if self.ledger is not None:
+                    self.ledger.write(task.tag, verdict, head, result if isinstance(result, dict) else None,
+                                      error=f"{type(exc).__name__}: {exc}" if exc is not None else None)
             self._cond.notify_all()
 
     def _track_failures(self, verdict: str, exc: Optional[BaseException]) -> None:
@@ -203,10 +243,14 @@ class WorkflowExecutor:
     def _take(self, count: int) -> list[dict]:
         out = []
         for _ in range(count):
-            head, _, result = heapq.heappop(self._done)
+            head, tid, result = heapq.heappop(self._done)
             self._dec(self._done_by_head, head)
+            task = self._tasks.pop(tid)
+            if self.ledger is not None:
+                self.ledger.write(task.tag, "accepted", head, result, step=self.batches_out)
             out.append(result)
         self._counts["consumed"] += count
+        self.batches_out += 1
         return out
 
     @staticmethod
@@ -291,8 +335,52 @@ class WorkflowExecutor:
                     item = next(self._data_iters[key][1])
                 except StopIteration:
                     return True  # empty dataloader
-            self.submit(item, workflow)
+            if isinstance(item, Sample):
+                self.submit(item.data, workflow, tag=item.tag)
+            else:
+                self.submit(item, workflow)
         return False
+
+    # ---- checkpoint -------------------------------------------------------------------------
+    def snapshot(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Every item not yet consumed (waiting, running with its journal, or finished) and the counters.
+        Take it while paused (executor, client and servers): nothing then moves, and it runs on the runner's
+        loop, so no episode changes state half-way through it."""
+
+        def take() -> dict[str, Any]:
+            with self._cond:
+                done = {tid: result for _, tid, result in self._done}
+                eps = []
+                for tid, t in sorted(self._tasks.items()):
+                    state = "done" if tid in done else ("running" if tid in self._running_heads else "waiting")
+                    eps.append({"tag": t.tag, "data": t.data, "head": t.head if state != "waiting" else None,
+                                "state": state, "journal": t.journal.snapshot() if state == "running" else [],
+                                "result": done.get(tid)})
+                return {"episodes": eps, "counts": dict(self._counts), "batches_out": self.batches_out,
+                        "staleness": self.staleness.stats}
+
+        return self._runner.call(take, timeout)
+
+    def restore(self, state: dict[str, Any], workflow: RolloutWorkflow | None = None) -> None:
+        """Put a snapshot back (after `on_version_recovered`): finished results ready to consume, running
+        episodes continued from their journals under their old head versions, waiting items queued."""
+        wf = workflow or self.workflow
+        eps = state["episodes"]
+        with self._cond:
+            self._counts.update(state["counts"])
+            self.batches_out = int(state["batches_out"])
+            for e in (e for e in eps if e["state"] == "done"):
+                tid = next(self._ids)
+                self._tasks[tid] = _Task(e["data"], e["tag"], wf, head=e["head"])
+                self.staleness.on_enqueued()
+                self.staleness.on_submitted()
+                self.staleness.on_accepted()
+                heapq.heappush(self._done, (e["head"], tid, e["result"]))
+                self._done_by_head[e["head"]] += 1
+        for e in (e for e in eps if e["state"] == "running"):
+            self.submit(e["data"], wf, tag=e["tag"], journal=EpisodeJournal.restore(e["journal"]), head=e["head"])
+        for e in (e for e in eps if e["state"] == "waiting"):
+            self.submit(e["data"], wf, tag=e["tag"])
 
     # ---- control ---------------------------------------------------------------------------
     def pause(self) -> None:

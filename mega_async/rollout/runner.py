@@ -128,6 +128,33 @@ class AsyncTaskRunner:
             self._pending.append((task_id, factory, on_done))
         self.wake()
 
+    def start_admitted(self, task_id: int, factory: TaskFactory, token: Any, on_done: DoneFn) -> None:
+        """Start a task that was admitted before (a rollout restored from a checkpoint): no admit(), no pause."""
+        self.check()
+
+        def create() -> None:
+            task = asyncio.get_running_loop().create_task(self._run(task_id, factory, token, on_done))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        self._loop.call_soon_threadsafe(create)  # type: ignore[union-attr]
+
+    def call(self, fn: Callable[[], Any], timeout: float = 60.0) -> Any:
+        """Run `fn` on the runner's loop thread and return its result: atomic with respect to every episode."""
+        import concurrent.futures
+
+        self.check()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+                fut.set_exception(e)
+
+        self._loop.call_soon_threadsafe(run)  # type: ignore[union-attr]
+        return fut.result(timeout)
+
     def wake(self) -> None:
         """Re-evaluate admission (after a submit, a finished task, a version bump or resume)."""
         loop, ev = self._loop, self._wake

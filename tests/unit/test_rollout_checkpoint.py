@@ -1,0 +1,137 @@
+"""Rollout state through a checkpoint: the seeded epoch order, the ledger, and the executor's snapshot and
+restore, where a rollout in flight continues from its last token instead of being regenerated."""
+import asyncio
+import json
+import threading
+
+import torch
+
+from mega_async.rollout.dataloader import EpochLoader
+from mega_async.rollout.executor import WorkflowExecutor
+from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
+from mega_async.rollout.ledger import Ledger, read_ledger
+from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
+from mega_async.types import ModelRequest, ModelResponse, WeightVersion
+
+
+class StreamingEngine:
+    """Emits one token every `dt` seconds into the response it is given (as the SGLang client does across
+    interruptions); token i of a request is 100 + i, tagged with the version at the time."""
+
+    def __init__(self, version, dt=0.002):
+        self.version, self.dt = version, dt
+        self.running = threading.Event()
+        self.running.set()
+        self.calls = 0
+
+    async def agenerate(self, req, resume=None):
+        self.calls += 1
+        resp = resume if resume is not None else ModelResponse(input_tokens=list(req.input_ids))
+        while len(resp.output_tokens) < req.max_new_tokens:
+            while not self.running.is_set():
+                await asyncio.sleep(0.001)
+            await asyncio.sleep(self.dt)
+            resp.output_tokens.append(100 + len(resp.output_tokens))
+            resp.output_logprobs.append(-1.0)
+            resp.output_versions.append(self.version.value)
+        resp.stop_reason = "length"
+        return resp
+
+
+def test_epoch_loader_order_is_seeded_and_resumable():
+    items = list(range(10))
+    a = EpochLoader(items, seed=3)
+    first = [next(a) for _ in range(14)]
+    assert sorted(s.data for s in first[:10]) == items and [s.epoch for s in first] == [0] * 10 + [1] * 4
+    assert [s.data for s in first[:10]] != items  # shuffled
+    b = EpochLoader(items, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert [next(b).index for _ in range(8)] == [next(a).index for _ in range(8)]
+    assert [s.index for s in first[:10]] != [s.index for s in first[10:14]] + [0] * 6
+
+
+def test_journal_returns_finished_calls_and_continues_partial_ones():
+    v = WeightVersion(3)
+    eng = StreamingEngine(v)
+    req = ModelRequest(input_ids=[1, 2], max_new_tokens=6)
+    partial = ModelResponse(input_tokens=[1, 2], output_tokens=[100, 101], output_logprobs=[-0.5, -0.5],
+                            output_versions=[1, 1])
+    from mega_async.rollout.journal import CallRecord
+
+    done = CallRecord([1, 2], 6, ModelResponse([1, 2], [7] * 6, [-2.0] * 6, [0] * 6, "stop"), done=True)
+    j = EpisodeJournal([done, CallRecord([1, 2], 6, partial)])
+    je = JournaledEngine(eng, j)
+
+    async def main():
+        return await je.agenerate(req), await je.agenerate(req), await je.agenerate(req)
+
+    r1, r2, r3 = asyncio.run(main())
+    assert r1.output_tokens == [7] * 6 and r1.stop_reason == "stop"  # no server call
+    assert r2.output_tokens == [100, 101, 102, 103, 104, 105] and r2.output_versions == [1, 1, 3, 3, 3, 3]
+    assert r3.output_versions == [3] * 6  # a new call
+    assert eng.calls == 2
+
+
+def test_snapshot_restore_keeps_every_rollout_and_its_tokens(tmp_path):
+    version = WeightVersion()
+    eng = StreamingEngine(version)
+    wf = GroupWorkflow(RLVRWorkflow(lambda p, c, **kw: float(len(c) % 2), max_new_tokens=40), 2)
+    loader = EpochLoader([{"input_ids": [1 + i, 2]} for i in range(50)], seed=0)
+    ledger = Ledger(tmp_path / "rollouts.jsonl")
+    ex = WorkflowExecutor(eng, wf, consumer_batch_size=2, max_staleness=1, version=version, ledger=ledger)
+    with ex:
+        assert len(ex.prepare_batch(loader)) == 2
+        version.set(1)
+        ex.wake()
+        asyncio.run(asyncio.sleep(0.03))  # let the next episodes get part-way
+        ex.pause()
+        eng.running.clear()  # the servers pause
+        state = ex.snapshot()
+        ledger_size = ledger.size()
+        loader_state = loader.state_dict()
+    running = [e for e in state["episodes"] if e["state"] == "running"]
+    assert running and all(e["head"] is not None for e in running)
+    partial = {e["tag"]["index"]: e["journal"] for e in running}
+    assert any(0 < len(r["output_tokens"]) < 40 for recs in partial.values() for r in recs)
+    drawn = loader_state["position"]
+    assert len(state["episodes"]) + 2 == drawn  # everything drawn is consumed or in the snapshot
+
+    # resume in a fresh executor: the saved state, nothing else
+    state = torch.load(_roundtrip(state, tmp_path), weights_only=True)
+    Ledger.truncate(tmp_path / "rollouts.jsonl", ledger_size)
+    version2 = WeightVersion()
+    version2.set(1)
+    eng2 = StreamingEngine(version2)
+    loader2 = EpochLoader([{"input_ids": [1 + i, 2]} for i in range(50)], seed=0)
+    loader2.load_state_dict(loader_state)
+    ex2 = WorkflowExecutor(eng2, wf, consumer_batch_size=2, max_staleness=1, version=version2,
+                           ledger=Ledger(tmp_path / "rollouts.jsonl"))
+    with ex2:
+        ex2.on_version_recovered(1)
+        ex2.restore(state)
+        batches = [ex2.prepare_batch(loader2)]
+        version2.set(2)
+        ex2.wake()
+        batches.append(ex2.prepare_batch(loader2))
+    lines = read_ledger(tmp_path / "rollouts.jsonl")
+    consumed = [(ln["epoch"], ln["index"]) for ln in lines if ln["verdict"] == "accepted"]
+    assert len(consumed) == len(set(consumed)) == 6 and [ln["step"] for ln in lines if ln["verdict"] == "accepted"][:2] == [0, 0]
+    # a rollout that was part-way at the checkpoint kept its old tokens (version 0) and continued
+    by_prompt = {int(g["input_ids"][0, 0]) - 1: g for b in batches for g in b}
+    kept = [i for i, recs in partial.items() if i in by_prompt and any(r["output_tokens"] for r in recs)]
+    assert kept
+    for i in kept:
+        g = by_prompt[i]
+        for j, rec in enumerate(partial[i]):
+            n = len(rec["output_tokens"])
+            out = g["loss_mask"][j].bool()
+            assert g["input_ids"][j][out][:n].tolist() == rec["output_tokens"]
+            assert g["versions"][j][out][:n].tolist() == rec["output_versions"]  # old versions kept
+            assert (g["versions"][j][out][n:] >= 1).all() and int(out.sum()) == 40
+    json.dumps(lines)
+
+
+def _roundtrip(state, tmp_path):
+    path = tmp_path / "rollout.pt"
+    torch.save(state, path)
+    return path
