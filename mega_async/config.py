@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -83,6 +84,12 @@ class DataConfig:
     split: str = "train"
     max_prompt_tokens: int = 256
     synthetic_target: Optional[int] = None  # synthetic task: one target token for every prompt; None = random each
+    chat_template: bool = True  # gsm8k: prompts as chat messages through the tokenizer's chat template
+    # held-out problems for evaluation: a file (or a directory with <eval_split>.jsonl/.parquet); null = the
+    # eval_split beside data.path when there is one, else the last eval_size rows of the data, kept out of training
+    eval_path: Optional[str] = None
+    eval_split: str = "test"
+    eval_size: int = 64  # N held-out problems scored by greedy pass@1
 
 
 @dataclass
@@ -127,6 +134,7 @@ class TrainerConfig:
     keep_weight_versions: int = 2  # disk mode: newest version directories kept
     verify_sync: bool = False  # after each sync: servers' probe logprobs must equal the trainer's
     verify_sync_tol: float = 1e-4
+    eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
 
 
 @dataclass
@@ -142,6 +150,18 @@ def api_key(cfg: "RunConfig") -> Optional[str]:
 
 
 @dataclass
+class LaunchConfig:
+    """`mega-async launch slurm`: the cluster shape (flags override it); the training run never reads it."""
+    nodes: Optional[int] = None  # --nodes
+    gpus_per_node: Optional[int] = None  # --gpus-per-node (CPU jobs: trainer ranks + servers per node)
+    gpu_memory_gib: float = 80.0  # one GPU's memory: the launcher checks the model fits the servers and trainer
+    partition: Optional[str] = None
+    time: Optional[str] = None  # Slurm time limit, e.g. 04:00:00
+    preempt_signal_s: int = 300  # --signal=B:USR1@<s>: the driver checkpoints and exits this long before the end
+    startup_timeout: float = 1800.0  # seconds for the job's servers to answer /health
+
+
+@dataclass
 class RunConfig:
     experiment_name: str = "tiny"
     trial_name: str = "run0"
@@ -154,6 +174,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -255,6 +276,12 @@ def validate(cfg: RunConfig) -> None:
     if cfg.data.name == "jsonl" and not cfg.data.path:
         raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
+    _positive("data.eval_size", cfg.data.eval_size)
+    _positive("trainer.eval_interval", cfg.trainer.eval_interval, allow_zero=True)
+    if cfg.trainer.eval_interval and cfg.data.name != "gsm8k":
+        raise ConfigError(f"trainer.eval_interval={cfg.trainer.eval_interval} needs data.name=gsm8k (the held-out "
+                          f"split and its pass@1); got data.name={cfg.data.name}. Set trainer.eval_interval=0")
+    _validate_launch(cfg.launch)
     if cfg.data.synthetic_target is not None and cfg.data.synthetic_target < 1:
         raise ConfigError(f"data.synthetic_target={cfg.data.synthetic_target} must be a token id >= 1 (or null)")
     _positive("algorithm.eps_clip", a.eps_clip)
@@ -350,6 +377,18 @@ def _objective_checks(cfg: RunConfig) -> None:
     _positive("rollout.max_turns", r.max_turns)
     if not 0 < r.turn_discount <= 1:
         raise ConfigError(f"rollout.turn_discount={r.turn_discount} must be in (0, 1]")
+
+
+def _validate_launch(ln: LaunchConfig) -> None:
+    for key in ("nodes", "gpus_per_node"):
+        v = getattr(ln, key)
+        if v is not None:
+            _positive(f"launch.{key}", v)
+    _positive("launch.gpu_memory_gib", ln.gpu_memory_gib)
+    _positive("launch.preempt_signal_s", ln.preempt_signal_s)
+    _positive("launch.startup_timeout", ln.startup_timeout)
+    if ln.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", ln.time):
+        raise ConfigError(f"launch.time={ln.time!r} is not a Slurm time limit (minutes, HH:MM:SS or D-HH:MM:SS)")
 
 
 def to_yaml(cfg: RunConfig) -> str:
