@@ -2,9 +2,10 @@
 
     python -m mega_async.inference.server --model models/tiny-qwen3-moe --host 127.0.0.1 --port 30000
 
-app.py (HTTP endpoints), protocol.py (request parsing and response bodies, no I/O), updates.py (weight
-updates: from disk, and by broadcast over an SGLang-built process group, with pause-window rollback),
-cli.py (arguments, main). The batching engine is mega_async/inference/engine.py.
+app.py (native HTTP endpoints), openai_api.py (/v1/*), info.py (information endpoints),
+generate_protocol.py and protocol.py (pure request parsing and response bodies, no I/O), engine.py (the
+continuous-batching engine), sampling.py, prefix_cache.py, routing.py (routed experts), weights.py and
+updates.py (weight loading and updates), memory.py (release/resume), cli.py (arguments, main).
 """
 from mega_async.inference.server.app import EmbeddedServer
 from mega_async.inference.server.cli import main, parse_args

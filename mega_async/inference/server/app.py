@@ -1,8 +1,9 @@
 """The embedded server's HTTP app: SGLang's native endpoints over the continuous-batching engine.
 
 Endpoints and JSON shapes follow docs/sglang-protocol.md so the same client drives this server and real
-SGLang. Request parsing lives in protocol.py, weight updates in updates.py. No pickle anywhere: requests
-are JSON, weights are safetensors or torch.distributed broadcasts.
+SGLang. Request parsing lives in generate_protocol.py and protocol.py, weight updates in updates.py, the
+OpenAI-compatible endpoints in openai_api.py. No pickle anywhere: requests are JSON, weights are
+safetensors or torch.distributed broadcasts.
 """
 from __future__ import annotations
 
@@ -16,9 +17,12 @@ from typing import Any, Callable, Optional
 import torch
 from aiohttp import web
 
-from mega_async.inference.engine import GenerationEngine, GenRequest
-from mega_async.inference.server.protocol import (BadRequest, GenerateLimits, clean, handler_error_body,
-                                                  parse_generate, validation_error_body)
+from mega_async.inference.server.engine import EngineRefused, GenerationEngine, GenRequest
+from mega_async.inference.server.generate_protocol import (GenerateLimits, Options, check_text, parse_generate,
+                                                           prompt_items, response_body)
+from mega_async.inference.server.info import InfoEndpoints
+from mega_async.inference.server.memory import MemoryOccupation, parse_tags
+from mega_async.inference.server.protocol import BadRequest, ValueRejected, clean, error_body, handler_error_body
 from mega_async.inference.server.updates import WeightUpdates
 
 logger = logging.getLogger("mega_async.inference.server")
@@ -56,19 +60,52 @@ class RWLock:
             self._cond.notify_all()
 
 
+class Tracked:
+    """One engine request seen from the event loop: `changed` fires on each new token and at the end."""
+
+    def __init__(self, req: GenRequest, opts: Options, loop: asyncio.AbstractEventLoop) -> None:
+        self.req, self.opts, self.t0 = req, opts, time.monotonic()
+        self.done = loop.create_future()
+        self.changed = asyncio.Event()
+
+        def wake(_: GenRequest) -> None:
+            loop.call_soon_threadsafe(self.changed.set)
+
+        def finish(r: GenRequest) -> None:
+            loop.call_soon_threadsafe(lambda: (self.changed.set(), self.done.done() or self.done.set_result(r)))
+
+        req.on_finish, req.on_step = finish, None
+        self._wake = wake
+
+    def stream(self) -> None:
+        self.req.on_step = self._wake
+
+
+def max_token_chars(tokenizer: Any) -> int:
+    if tokenizer is None:
+        return 64
+    try:
+        return max(8, max(len(t) for t in tokenizer.get_vocab()))
+    except Exception:  # noqa: BLE001 - an odd tokenizer: a generous bound
+        return 64
+
+
 class EmbeddedServer:
     """One model behind SGLang's HTTP protocol; `app()` is the aiohttp application."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", device: str = "cpu",
                  weights_root: Optional[str] = None, api_key: Optional[str] = None, max_batch_size: int = 64,
                  seed: int = 0, host: str = "127.0.0.1", port: int = 30000, max_new_tokens_cap: int = 1 << 16,
-                 weight_update_timeout_s: float = 300.0):
+                 weight_update_timeout_s: float = 300.0, prefix_cache_tokens: int = 1 << 16,
+                 enable_return_routed_experts: bool = False, served_model_name: Optional[str] = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(Path(model_path).resolve())
+        self.served_model_name = served_model_name or self.model_path
         self.weights_root = Path(weights_root or Path(self.model_path).parent).resolve()
         self.api_key = api_key
         self.host, self.port, self.dtype, self.device = host, port, dtype, device
+        self.enable_return_routed_experts = enable_return_routed_experts
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype]).to(device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -76,19 +113,27 @@ class EmbeddedServer:
             tokenizer = None
             logger.warning("no tokenizer in %s: text prompts and stop strings are unavailable", self.model_path)
         self.tokenizer = tokenizer
-        self.engine = GenerationEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed)
+        self.engine = GenerationEngine(model, tokenizer, max_batch_size=max_batch_size, seed=seed,
+                                       prefix_cache_tokens=prefix_cache_tokens,
+                                       record_routes=enable_return_routed_experts)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 20))
-        self.limits = GenerateLimits(model.config.vocab_size, self.max_context, max_new_tokens_cap, tokenizer)
+        self.limits = GenerateLimits(model.config.vocab_size, self.max_context, max_new_tokens_cap, tokenizer,
+                                     max_token_chars(tokenizer))
+        self.memory = MemoryOccupation(self.engine)
         self._rids: set[str] = set()
         self._paused = False
+        self._closing = False
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._lock = RWLock()
         self.updates = WeightUpdates(self.engine, self._exclusive, self.weights_root, weight_update_timeout_s)
+        self.info = InfoEndpoints(self)
         self._ready = False
 
     # ---- app -------------------------------------------------------------------------------
     def app(self) -> web.Application:
+        from mega_async.inference.server.openai_api import OpenAIEndpoints
+
         app = web.Application(middlewares=[self._auth, self._errors], client_max_size=64 << 20)
         r = app.router
         r.add_post("/generate", self.generate)
@@ -96,27 +141,36 @@ class EmbeddedServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_post("/abort_request", self.abort_request)
         r.add_route("*", "/flush_cache", self.flush_cache)
-        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
-        r.add_post("/init_weights_update_group", self.init_weights_update_group)
-        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
-        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_post("/rollback_weights", self.rollback_weights)
-        for path in ("/model_info", "/get_model_info"):
-            r.add_get(path, self.model_info)
-        for path in ("/server_info", "/get_server_info"):
-            r.add_get(path, self.server_info)
-        for path in ("/health", "/health_generate"):
-            r.add_get(path, self.health)
-        r.add_get("/v1/models", self.v1_models)
+        for path, fn in (("/update_weights_from_disk", self.updates.from_disk),
+                         ("/init_weights_update_group", self.updates.init_group),
+                         ("/update_weights_from_distributed", self.updates.from_distributed),
+                         ("/destroy_weights_update_group", self.updates.destroy_group),
+                         ("/rollback_weights", self.updates.rollback),
+                         ("/update_weights_from_tensor", self.updates.from_tensor),
+                         ("/update_weight_version", self.updates.set_version)):
+            r.add_post(path, self._replier(fn))
+        r.add_route("*", "/release_memory_occupation", self.release_memory)
+        r.add_route("*", "/resume_memory_occupation", self.resume_memory)
+        self.info.register(r)
+        OpenAIEndpoints(self).register(r)
         app.on_startup.append(self._on_startup)
+        app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
         self._ready = True
 
+    async def _on_shutdown(self, app: web.Application) -> None:
+        """SIGTERM: stop generating now (every open request is answered as aborted), not after it finishes."""
+        self._closing, self._ready = True, False
+        self._unpaused.set()
+        await asyncio.wrap_future(self.engine.abort(abort_all=True))
+        await asyncio.sleep(0)
+
     async def _on_cleanup(self, app: web.Application) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        self.memory.close()
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
@@ -130,14 +184,14 @@ class EmbeddedServer:
         try:
             return await handler(request)
         except BadRequest as e:
-            return web.json_response(validation_error_body(str(e)), status=400)
+            return web.json_response(error_body(e), status=400)
         except web.HTTPException:
             raise
         except Exception as e:  # noqa: BLE001 - a handler error answers 400 and the server keeps serving
             logger.exception("%s failed", request.path)
             return web.json_response(handler_error_body(f"{type(e).__name__}: {e}"), status=400)
 
-    async def _json(self, request: web.Request) -> dict:
+    async def json_body(self, request: web.Request) -> Any:
         if not request.can_read_body:
             raise BadRequest("request body required (send {} at least)")
         try:
@@ -148,109 +202,184 @@ class EmbeddedServer:
             raise BadRequest("JSON body must be an object")
         return body
 
-    # ---- generation ------------------------------------------------------------------------
-    async def generate(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+    async def _dict_body(self, request: web.Request) -> dict:
+        body = await self.json_body(request)
         if not isinstance(body, dict):
             raise BadRequest("JSON body must be an object")
-        if body.get("stream"):
-            raise BadRequest("stream=true is not supported by the embedded server")
-        batch = body.get("input_ids") if body.get("input_ids") is not None else body.get("text")
-        is_batch = isinstance(batch, list) and bool(batch) and isinstance(batch[0], (list, str))
-        reqs = [parse_generate(body, i, self.limits) for i in range(len(batch))] if is_batch \
-            else [parse_generate(body, None, self.limits)]
-        rids = [r.rid for r, _ in reqs]
+        return body
+
+    # ---- generation ------------------------------------------------------------------------
+    async def tokenize(self, items: list[Any]) -> list[list[int]]:
+        """Token ids of each prompt; text is bounded first and tokenized off the event loop."""
+        texts = [i for i, x in enumerate(items) if not isinstance(x, list)]
+        for i in texts:
+            check_text(items[i], self.limits)
+        if not texts:
+            return list(items)
+        tok = self.tokenizer
+        loop = asyncio.get_running_loop()
+        enc = await loop.run_in_executor(None, lambda: [tok(items[i], add_special_tokens=False)["input_ids"]
+                                                        for i in texts])
+        out = list(items)
+        for i, ids in zip(texts, enc):
+            out[i] = ids
+        return out
+
+    async def prepare(self, body: dict) -> tuple[list[tuple[GenRequest, Options]], bool]:
+        items, is_batch = prompt_items(body)
+        prompts = await self.tokenize(items)
+        reqs = parse_generate(body, prompts, is_batch, self.limits, self.enable_return_routed_experts)
+        return reqs, is_batch or len(reqs) > 1
+
+    def _refuse_if_released(self) -> None:
+        if self.engine.released:
+            raise ValueRejected(f"memory is released ({', '.join(sorted(self.engine.released))}): call "
+                                "/resume_memory_occupation before generating")
+
+    def _claim_rids(self, rids: list[str]) -> None:
         dup = next((r for i, r in enumerate(rids) if r in self._rids or r in rids[:i]), None)
         if dup is not None:
-            raise BadRequest(f"Duplicate request id {dup!r}: a request with this rid is still in flight")
+            raise ValueRejected(f"Duplicate request ID detected: {dup}")
         self._rids.update(rids)
+
+    async def submit(self, reqs: list[tuple[GenRequest, Options]], stream: bool = False) -> list[Tracked]:
+        """Wait while paused, then hand the requests to the engine (max_new_tokens 0 finish at once)."""
+        await self._unpaused.wait()  # new requests wait while generation is paused
+        if self._closing:
+            raise web.HTTPServiceUnavailable(text="server shutting down")
+        self._refuse_if_released()
+        loop = asyncio.get_running_loop()
+        tracked = [Tracked(r, o, loop) for r, o in reqs]
+        for t in tracked:
+            if stream:
+                t.stream()
+            if t.req.max_new_tokens == 0:
+                t.req.finish_reason = {"type": "length", "length": 0}
+                t.done.set_result(t.req)
+            else:
+                self.engine.add_request(t.req)
+        return tracked
+
+    async def run_all(self, reqs: list[tuple[GenRequest, Options]],
+                      body_fn: Optional[Callable[[Tracked], Any]] = None) -> list[Any]:
+        """Run requests to the end under the reader lock; a cancelled handler (client gone) aborts them."""
+        self._claim_rids([r.rid for r, _ in reqs])
+        tracked: list[Tracked] = []
         try:
-            await self._unpaused.wait()  # new requests wait while generation is paused
             await self._lock.acquire_read()
             try:
-                outs = await asyncio.gather(*(self._run(r, lp) for r, lp in reqs))
+                tracked = await self.submit(reqs)
+                await asyncio.gather(*(t.done for t in tracked))
             finally:
                 await self._lock.release_read()
+        except asyncio.CancelledError:
+            for t in tracked:
+                self.engine.cancel(t.req)
+            raise
         finally:
-            self._rids.difference_update(rids)
-        return web.json_response(clean(outs if is_batch else outs[0]))
+            self._rids.difference_update(r.rid for r, _ in reqs)
+        return [(body_fn or self.body)(t) for t in tracked]
 
-    async def _run(self, req: GenRequest, return_logprob: bool) -> dict:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-        t0 = time.monotonic()
+    def body(self, t: Tracked) -> dict:
+        return response_body(t.req, t.opts, self.engine.weight_version, time.monotonic() - t.t0, self.tokenizer)
 
-        def done(r: GenRequest) -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(r))
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        body = await self._dict_body(request)
+        stream = body.get("stream")
+        if stream is not None and not isinstance(stream, bool):
+            raise BadRequest(f"stream must be a boolean, got {stream!r}")
+        reqs, many = await self.prepare(body)
+        if stream:
+            return await self._stream(request, reqs, many)
+        outs = await self.run_all(reqs)
+        return web.json_response(clean(outs if many else outs[0]))
 
-        req.on_finish = done
-        if req.max_new_tokens == 0:
-            req.finish_reason = {"type": "length", "length": 0}
-        else:
-            self.engine.add_request(req)
-            try:
-                await fut
-            except asyncio.CancelledError:  # client went away: free the slot
-                self.engine.abort(req.rid)
-                raise
-        fr = dict(req.finish_reason or {})
-        waiting_abort = fr.get("message") == "Abort in waiting queue"
-        meta = {
-            "id": req.rid,
-            "finish_reason": fr,
-            "prompt_tokens": 0 if waiting_abort else len(req.input_ids),
-            "completion_tokens": len(req.output_ids),
-            "cached_tokens": 0,
-            "weight_version": self.engine.weight_version,
-            "e2e_latency": time.monotonic() - t0,
-        }
-        if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.output_logprobs, req.output_ids)]
-            meta["input_token_logprobs"] = []
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}
+    async def _stream(self, request: web.Request, reqs: list[tuple[GenRequest, Options]],
+                      many: bool) -> web.StreamResponse:
+        """SSE as SGLang streams /generate: each event is the whole response so far; then `data: [DONE]`."""
+        self._claim_rids([r.rid for r, _ in reqs])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        tracked: list[Tracked] = []
+        try:
+            await resp.prepare(request)
+            tracked = await self.submit(reqs, stream=True)
+            sent = [-1] * len(tracked)
+            while True:
+                for k, t in enumerate(tracked):
+                    n, fin = len(t.req.output_ids), t.done.done()
+                    if sent[k] == -2 or not (fin or n - max(sent[k], 0) >= t.opts.stream_interval):
+                        continue
+                    t.changed.clear()
+                    chunk = self.body(t)
+                    if many:
+                        chunk["index"] = k
+                    await resp.write(b"data: " + json.dumps(clean(chunk)).encode() + b"\n\n")
+                    sent[k] = -2 if fin else n
+                if all(s == -2 for s in sent):
+                    break
+                await asyncio.wait([asyncio.ensure_future(t.changed.wait()) for t in tracked if not t.done.done()],
+                                   return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionError):
+            for t in tracked:
+                self.engine.cancel(t.req)
+            raise
+        finally:
+            self._rids.difference_update(r.rid for r, _ in reqs)
+        return resp
 
     # ---- generation control ----------------------------------------------------------------
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
+        body = await self.json_body(request)
         mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
         self._paused = True
         self._unpaused.clear()
         self.updates.open_window()
-        if mode == "abort":
-            await asyncio.wrap_future(self.engine.abort(abort_all=True))
-            await asyncio.sleep(0)  # let the aborted requests' responses be assembled
-        else:
-            self.engine.hold(True)
+        await asyncio.wrap_future(self.engine.pause(mode))
+        await asyncio.sleep(0)  # let the aborted requests' responses be assembled
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self._json(request)
-        self._resume()
+        await self.json_body(request)
+        await asyncio.wrap_future(self.engine.resume())
+        self._paused = False
+        self._unpaused.set()
         self.updates.close_window()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
-    def _resume(self) -> None:
-        self._paused = False
-        self.engine.hold(False)
-        self._unpaused.set()
-
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._json(request)
-        rid, abort_all = body.get("rid", ""), bool(body.get("abort_all", False))
+        body = await self._dict_body(request)
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise BadRequest(f"abort_all must be a boolean, got {abort_all!r}")
         if not rid and not abort_all:
             raise BadRequest("give rid or abort_all=true")
         await asyncio.wrap_future(self.engine.abort(str(rid or ""), abort_all))
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if not self.engine.is_idle():
+        if not await asyncio.wrap_future(self.engine.run_command(self.engine.flush_cache)):
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.\n")
         return web.Response(status=200, text="Cache flushed.\nPlease check backend logs for more details. (When "
                                              "there are running or waiting requests, the operation will not be "
                                              "performed.)\n")
+
+    async def _memory(self, request: web.Request, fn: Callable[[list[str]], None]) -> web.Response:
+        body = await self.json_body(request) if request.can_read_body else {}
+        try:
+            tags = parse_tags(body if isinstance(body, dict) else {})
+            await asyncio.wrap_future(self.engine.run_command(lambda: fn(tags)))
+        except (ValueError, EngineRefused) as e:
+            return web.json_response(handler_error_body(str(e)), status=400)
+        return web.json_response(None)
+
+    async def release_memory(self, request: web.Request) -> web.Response:
+        return await self._memory(request, self.memory.release)
+
+    async def resume_memory(self, request: web.Request) -> web.Response:
+        return await self._memory(request, self.memory.resume)
 
     # ---- weight updates --------------------------------------------------------------------
     async def _exclusive(self, body: dict, fn: Any) -> Any:
@@ -265,53 +394,9 @@ class EmbeddedServer:
         finally:
             await self._lock.release_write()
 
-    async def _reply(self, request: web.Request, handler: Callable[[dict], Any]) -> web.Response:
-        body = await self._json(request)
-        if not isinstance(body, dict):
-            raise BadRequest("JSON body must be an object")
-        status, out = await handler(body)
-        return web.json_response(out, status=status)
+    def _replier(self, handler: Callable[[dict], Any]) -> Callable[[web.Request], Any]:
+        async def reply(request: web.Request) -> web.Response:
+            status, out = await handler(await self._dict_body(request))
+            return web.json_response(out, status=status)
 
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        return await self._reply(request, self.updates.from_disk)
-
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        return await self._reply(request, self.updates.init_group)
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        return await self._reply(request, self.updates.from_distributed)
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        return await self._reply(request, self.updates.destroy_group)
-
-    async def rollback_weights(self, request: web.Request) -> web.Response:
-        return await self._reply(request, self.updates.rollback)
-
-    # ---- information -----------------------------------------------------------------------
-    async def model_info(self, request: web.Request) -> web.Response:
-        cfg = self.engine.model.config
-        return web.json_response({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": self.engine.weight_version,
-            "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": cfg.model_type, "architectures": list(getattr(cfg, "architectures", None) or []),
-        })
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({
-            "model_path": self.model_path, "host": self.host, "port": self.port, "tp_size": 1, "dp_size": 1,
-            "ep_size": 1, "dtype": self.dtype, "device": self.device,
-            "max_running_requests": self.engine.max_batch_size,
-            "max_total_num_tokens": self.max_context * self.engine.max_batch_size,
-            "weight_version": self.engine.weight_version,
-            "version": "mega_async-embedded", "weights_root": str(self.weights_root),
-            "num_running_reqs": self.engine.num_running, "num_waiting_reqs": self.engine.num_waiting,
-        })
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self._ready else 503)
-
-    async def v1_models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.model_path, "object": "model", "created": 0, "owned_by": "mega_async",
-             "root": self.model_path}]})
+        return reply

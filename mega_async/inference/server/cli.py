@@ -32,6 +32,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--weight-update-timeout", type=float, default=300.0,
                    help="seconds a weight-update group waits for its peers (rendezvous and each broadcast) when "
                         "/init_weights_update_group gives no timeout")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record each MoE router's top-k per token so /generate may ask return_routed_experts")
+    p.add_argument("--disable-radix-cache", action="store_true",
+                   help="no prefix cache (every prompt is prefilled, cached_tokens is always 0)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
+                   help="token budget of the prefix cache that lets a GRPO group share one prefill (LRU)")
+    p.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the model path)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -41,10 +48,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (Path(args.model) / "config.json").exists():
         raise SystemExit(f"--model {args.model}: no config.json there; pass an HF-format model directory")
+    if args.prefix_cache_tokens < 0:
+        raise SystemExit(f"--prefix-cache-tokens {args.prefix_cache_tokens}: must be at least 0 (0 disables it)")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     server = EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
                             api_key=args.api_key, max_batch_size=args.max_running_requests, seed=args.random_seed,
-                            host=args.host, port=args.port, weight_update_timeout_s=args.weight_update_timeout)
+                            host=args.host, port=args.port, weight_update_timeout_s=args.weight_update_timeout,
+                            prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
+                            enable_return_routed_experts=args.enable_return_routed_experts,
+                            served_model_name=args.served_model_name)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
+    web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True,
+                handler_cancellation=True, shutdown_timeout=5.0)

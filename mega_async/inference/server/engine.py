@@ -1,9 +1,11 @@
-"""Continuous-batching generation engine for the embedded server (transformers model, CPU or GPU).
+"""Continuous-batching generation engine of the embedded server (transformers model, CPU or GPU).
 
-One thread owns the model. Each iteration: run queued commands (weight loads, aborts) ->
-admit waiting requests (prefill one by one, merge into the batch KV cache, left-padded) ->
-one decode step for every running request -> retire finished rows. Requests arriving while
-others decode join the running batch; everything is interruptible between two decode steps.
+One thread owns the model. Each iteration: run queued commands (weight loads, aborts, pauses) ->
+retire aborted rows -> admit waiting requests (prefix-cache hits join as decode rows, the rest are
+prefilled together, left-padded) -> one decode step for every running row -> retire finished rows.
+Every token is labelled with the weight version of the forward that produced it, on this thread, so
+a label can never disagree with the weights. Pauses live here too (abort, retract, in_place): a
+request added while paused waits in the queue and is admitted only after resume.
 """
 from __future__ import annotations
 
@@ -17,6 +19,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from mega_async.inference.server.prefix_cache import PrefixCache
+from mega_async.inference.server.routing import RouteRecorder
+from mega_async.inference.server.sampling import process_logits, sample, sample_full, top_logprobs  # noqa: F401
 
 logger = logging.getLogger("mega_async.inference.engine")
 
@@ -32,31 +38,67 @@ class GenRequest:
     stop_token_ids: set[int] = field(default_factory=set)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    min_new_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    sampling_seed: Optional[int] = None
+    logprob_start_len: int = -1  # >= 0: prompt logprobs from that position
+    top_logprobs_num: int = 0
+    return_routed_experts: bool = False
     # state, owned by the engine thread
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_versions: list[str] = field(default_factory=list)
+    input_logprobs: list[Optional[float]] = field(default_factory=list)
+    input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, k] pieces
+    cached_tokens: int = 0
+    prefilled: bool = False
     finish_reason: Optional[dict] = None
     abort_requested: bool = False
     created: float = field(default_factory=time.monotonic)
     on_finish: Optional[Callable[["GenRequest"], None]] = None
+    on_step: Optional[Callable[["GenRequest"], None]] = None
+    generator: Optional[torch.Generator] = None
+
+    @property
+    def seq(self) -> list[int]:
+        """Everything already known: prompt + output (a retracted request is prefilled from this)."""
+        return self.input_ids + self.output_ids
+
+    def cacheable(self) -> bool:
+        return len(self.seq) >= 2 and self.logprob_start_len < 0 and not self.return_routed_experts
+
+
+class EngineRefused(RuntimeError):
+    """An engine command that cannot run in the current state (the message names why and what to do)."""
 
 
 class GenerationEngine:
-    def __init__(self, model: Any, tokenizer: Any = None, max_batch_size: int = 64, seed: int = 0):
+    def __init__(self, model: Any, tokenizer: Any = None, max_batch_size: int = 64, seed: int = 0,
+                 prefix_cache_tokens: int = 0, record_routes: bool = False):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.eos_ids = self._eos_ids()
         self.weight_version = "0"
+        self.vocab_size = int(model.config.vocab_size)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.routes = RouteRecorder(model) if record_routes else None
         self._lock = threading.Lock()
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._running: list[GenRequest] = []
         self._cmds: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future]] = collections.deque()
         self._wake = threading.Event()
-        self._hold = False  # in-place pause: keep requests, stop decoding
+        self.paused: Optional[str] = None  # abort | retract | in_place
+        self.released: set[str] = set()  # memory tags released (weights, kv_cache)
         self._stopping = False
         self._cache: Any = None
         self._mask: Optional[torch.Tensor] = None  # [B, L] 1 = real cached token
@@ -77,6 +119,9 @@ class GenerationEngine:
 
     # ---- public API (any thread) -----------------------------------------------------------
     def add_request(self, req: GenRequest) -> None:
+        if req.sampling_seed is not None and req.generator is None:
+            req.generator = torch.Generator(device=self.device)
+            req.generator.manual_seed(int(req.sampling_seed))
         with self._lock:
             self._waiting.append(req)
         self._wake.set()
@@ -93,22 +138,55 @@ class GenerationEngine:
         """Abort requests whose rid starts with `rid` (or all); resolves once they are answered."""
 
         def do() -> int:
-            n = 0
             with self._lock:
                 waiting = list(self._waiting)
-            for r in waiting + self._running:
-                if abort_all or (rid and r.rid.startswith(rid)):
-                    r.abort_requested = True
-                    n += 1
+            hit = [r for r in waiting + self._running if abort_all or (rid and r.rid.startswith(rid))]
+            for r in hit:
+                r.abort_requested = True
             self._retire_aborted()
-            return n
+            return len(hit)
+
+        return self.run_command(do)
+
+    def cancel(self, req: GenRequest) -> None:
+        """Abort this request object (its client went away): its row is freed before the next decode step."""
+        req.abort_requested = True
+        self._wake.set()
+
+    def pause(self, mode: str) -> concurrent.futures.Future:
+        """Pause on the engine thread: abort answers every request; retract drops their KV and requeues them
+        (recomputed under the weights current at resume); in_place keeps everything. Resolves when done."""
+
+        def do() -> int:
+            self.paused = mode
+            if mode == "abort":
+                with self._lock:
+                    waiting = list(self._waiting)
+                for r in waiting + self._running:
+                    r.abort_requested = True
+                n = len(waiting) + len(self._running)
+                self._retire_aborted()
+                return n
+            if mode == "retract" and self._running:
+                back = self._running
+                self._running, self._cache = [], None
+                self._mask = self._pos = self._last = None
+                with self._lock:
+                    self._waiting.extendleft(reversed(back))
+                return len(back)
+            return 0
+
+        return self.run_command(do)
+
+    def resume(self) -> concurrent.futures.Future:
+        def do() -> None:
+            self.paused = None
 
         return self.run_command(do)
 
     def hold(self, on: bool) -> None:
-        """In-place pause: running requests keep their state and resume decoding on release."""
-        self._hold = on
-        self._wake.set()
+        """In-place pause without waiting (kept for callers of the old API)."""
+        self.pause("in_place") if on else self.resume()
 
     @property
     def num_running(self) -> int:
@@ -122,6 +200,13 @@ class GenerationEngine:
     def is_idle(self) -> bool:
         return not self._running and self.num_waiting == 0
 
+    def flush_cache(self) -> bool:
+        """SGLang's rule: only when fully idle, ignoring the queue while paused. Engine thread only."""
+        if self._running or (self.paused is None and self.num_waiting):
+            return False
+        self.prefix_cache.clear()
+        return True
+
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
@@ -132,13 +217,10 @@ class GenerationEngine:
         while not self._stopping:
             try:
                 self._run_commands()
-                if self._hold:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    continue
                 self._retire_aborted()
-                self._admit()
-                if not self._running:
+                if self.paused is None and not self.released:
+                    self._admit()
+                if not self._running or self.paused is not None:
                     self._wake.wait(0.05)
                     self._wake.clear()
                     continue
@@ -148,7 +230,9 @@ class GenerationEngine:
                 for r in self._running:
                     self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
                 self._running, self._cache = [], None
-        for r in self._running + list(self._waiting):
+        with self._lock:
+            left = self._running + list(self._waiting)
+        for r in left:
             self._finish(r, {"type": "abort", "message": "server shutting down"})
 
     def _run_commands(self) -> None:
@@ -175,9 +259,10 @@ class GenerationEngine:
     def _retire_aborted(self) -> None:
         with self._lock:
             queued = [r for r in self._waiting if r.abort_requested]
-            self._waiting = collections.deque(r for r in self._waiting if not r.abort_requested)
+            if queued:
+                self._waiting = collections.deque(r for r in self._waiting if not r.abort_requested)
         for r in queued:
-            self._finish(r, {"type": "abort", "message": "Abort in waiting queue"})
+            self._finish(r, {"type": "abort", "message": "Abort in waiting queue" if not r.output_ids else "Aborted"})
         keep = [i for i, r in enumerate(self._running) if not r.abort_requested]
         if len(keep) != len(self._running):
             for r in self._running:
@@ -189,21 +274,66 @@ class GenerationEngine:
         free = self.max_batch_size - len(self._running)
         with self._lock:
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
-        if new:
-            self._prefill(new)
+        if not new:
+            return
+        cache = self.prefix_cache
+        hits, misses, later, seen = [], [], [], set()
+        for r in new:
+            key = tuple(r.seq[:-1])
+            if cache.enabled and r.cacheable() and key in cache._entries:
+                hits.append(r)
+            elif cache.enabled and r.cacheable() and key in seen:
+                later.append(r)  # same prompt as a miss of this round: reuse its prefill below
+            else:
+                misses.append(r)
+                seen.add(key)
+        if misses:
+            self._prefill(misses)
+        for r in hits + later:
+            kv = cache.get(tuple(r.seq[:-1])) if cache.enabled else None
+            if kv is None:
+                self._prefill([r])
+            else:
+                self._join_cached(r, kv)
+
+    def _join_cached(self, r: GenRequest, kv: list) -> None:
+        """Add a row whose KV for seq[:-1] is cached: its next forward is the last prompt token."""
+        from transformers import DynamicCache
+
+        c = DynamicCache(config=self.model.config)
+        for li, (k, v) in enumerate(kv):
+            c.update(k.clone(), v.clone(), li)
+        n = len(r.seq) - 1
+        r.cached_tokens = n
+        r.prefilled = True
+        dev = self.device
+        self._merge([r], c, torch.ones(1, n, dtype=torch.long, device=dev), torch.tensor([n], device=dev),
+                    torch.tensor([r.seq[-1]], device=dev))
 
     @torch.no_grad()
     def _prefill(self, reqs: list[GenRequest]) -> None:
-        """One forward over the new prompts (left-padded), then merge their KV cache into the batch."""
+        """One forward over the new sequences (left-padded), then merge their KV cache into the batch."""
         from transformers import DynamicCache
 
-        lengths = [len(r.input_ids) for r in reqs]
+        seqs = [r.seq for r in reqs]
+        lengths = [len(s) for s in seqs]
         L = max(lengths)
-        ids = torch.tensor([[0] * (L - n) + r.input_ids for r, n in zip(reqs, lengths)], device=self.device)
+        ids = torch.tensor([[0] * (L - n) + s for s, n in zip(seqs, lengths)], device=self.device)
         mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
+        routing = self.routes is not None and any(r.return_routed_experts for r in reqs)
+        if routing:
+            self.routes.start()
         out = self.model(ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=self.model.config),
                          use_cache=True)
+        routes = self.routes.take(len(reqs), L) if routing else None
+        for i, r in enumerate(reqs):
+            if routes is not None and r.return_routed_experts:
+                r.routes = [routes[i, L - lengths[i]:]]  # a retracted request's routes are recomputed too
+            if r.logprob_start_len >= 0 and not r.prefilled:
+                self._prompt_logprobs(r, out.logits[i, L - lengths[i]:].float())
+            r.prefilled = True
+        self._cache_prefixes(reqs, out.cache, lengths, L)
         toks, lps = self._sample(out.logits[:, -1].float(), reqs)
         keep = []
         for i, r in enumerate(reqs):
@@ -217,6 +347,29 @@ class GenerationEngine:
             layer.keys, layer.values = layer.keys[idx], layer.values[idx]
         self._merge([reqs[i] for i in keep], out.cache, mask[idx], torch.tensor(lengths, device=self.device)[idx],
                     toks[idx])
+
+    def _cache_prefixes(self, reqs: list[GenRequest], cache: Any, lengths: list[int], L: int) -> None:
+        if not self.prefix_cache.enabled:
+            return
+        for i, r in enumerate(reqs):
+            n = lengths[i]
+            if n >= 2 and r.cacheable():
+                kv = [(layer.keys[i:i + 1, :, L - n:L - 1].clone(), layer.values[i:i + 1, :, L - n:L - 1].clone())
+                      for layer in cache.layers]
+                self.prefix_cache.put(tuple(r.seq[:-1]), kv)
+
+    def _prompt_logprobs(self, r: GenRequest, logits: torch.Tensor) -> None:
+        """input_token_logprobs from logprob_start_len: log p(prompt[j] | prompt[:j]); None for position 0."""
+        T = r.temperature if r.temperature >= 1e-6 else 1.0
+        logp = torch.log_softmax(logits[:-1] / T, -1)  # row j predicts prompt[j + 1]
+        ids = torch.tensor(r.input_ids[1:], device=logp.device)
+        chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist() if len(ids) else []
+        start = min(r.logprob_start_len, len(r.input_ids))
+        vals: list[Optional[float]] = [None] + chosen
+        r.input_logprobs = vals[start:]
+        if r.top_logprobs_num:
+            tops: list = [None] + [top_logprobs(logp[j], r.top_logprobs_num) for j in range(len(chosen))]
+            r.input_top_logprobs = tops[start:]
 
     def _merge(self, reqs: list[GenRequest], cache: Any, mask: torch.Tensor, pos: torch.Tensor,
                last: torch.Tensor) -> None:
@@ -253,8 +406,16 @@ class GenerationEngine:
     def _decode_step(self) -> None:
         B = len(self._running)
         mask = torch.cat([self._mask, torch.ones(B, 1, dtype=torch.long, device=self.device)], dim=1)
+        routing = self.routes is not None and any(r.return_routed_experts for r in self._running)
+        if routing:
+            self.routes.start()
         out = self.model(self._last[:, None], attention_mask=mask, position_ids=self._pos[:, None],
                          cache=self._cache, use_cache=True)
+        if routing:
+            routes = self.routes.take(B, 1)
+            for i, r in enumerate(self._running):
+                if r.return_routed_experts and routes is not None:
+                    r.routes.append(routes[i])
         self._cache, self._mask = out.cache, mask
         self._pos = self._pos + 1
         toks, lps = self._sample(out.logits[:, -1].float(), self._running)
@@ -271,7 +432,10 @@ class GenerationEngine:
     def _append(self, r: GenRequest, tok: int, lp: float) -> None:
         r.output_ids.append(tok)
         r.output_logprobs.append(lp)
+        r.output_versions.append(self.weight_version)
         self.generated_tokens += 1
+        if r.on_step is not None:
+            r.on_step(r)
 
     def _check_finished(self, r: GenRequest) -> bool:
         tok = r.output_ids[-1]
@@ -294,37 +458,11 @@ class GenerationEngine:
         return False
 
     def _sample(self, logits: torch.Tensor, reqs: list[GenRequest]) -> tuple[torch.Tensor, torch.Tensor]:
-        return sample(logits, [r.temperature for r in reqs], [r.top_k for r in reqs], [r.top_p for r in reqs],
-                      self._gen)
-
-
-def sample(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
-           generator: Optional[torch.Generator] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Next token and its logprob per row of `logits` [B, V].
-
-    Greedy below temperature 1e-6; else sampling, with top-k/top-p truncation where asked.
-    Logprobs are log_softmax(logits / T) before truncation (greedy rows use T = 1), as SGLang
-    reports them. Sampling uses the exponential race (argmax p / Exp(1)), which draws exactly
-    from p without a sort or multinomial; only truncated rows pay for a sort.
-    """
-    dev = logits.device
-    greedy = torch.tensor([t < 1e-6 for t in temperature], device=dev)
-    temp = torch.tensor([1.0 if t < 1e-6 else t for t in temperature], device=dev)
-    logp = torch.log_softmax(logits / temp[:, None], dim=-1)
-    tokens = logp.argmax(-1)
-    if not bool(greedy.all()):
-        probs = logp.exp()
-        trunc = [i for i, t in enumerate(temperature) if t >= 1e-6 and (top_k[i] > 0 or top_p[i] < 1.0)]
-        if trunc:
-            V = logits.shape[-1]
-            rows = torch.tensor(trunc, device=dev)
-            k = torch.tensor([top_k[i] if top_k[i] > 0 else V for i in trunc], device=dev).clamp(max=V)
-            p = torch.tensor([top_p[i] for i in trunc], device=dev)
-            p_sorted, order = probs[rows].sort(dim=-1, descending=True)
-            before = p_sorted.cumsum(-1) - p_sorted  # mass of strictly more likely tokens
-            drop = (torch.arange(V, device=dev)[None, :] >= k[:, None]) | (before > p[:, None])
-            p_sorted = p_sorted.masked_fill(drop, 0.0)
-            probs[rows] = torch.zeros_like(p_sorted).scatter_(1, order, p_sorted)
-        race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-        tokens = torch.where(greedy, tokens, (probs / race).argmax(-1))
-    return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        logits = process_logits(logits, reqs, self.eos_ids)
+        toks, lps, logp = sample_full(logits, [r.temperature for r in reqs], [r.top_k for r in reqs],
+                                      [r.top_p for r in reqs], self._gen, [r.min_p for r in reqs],
+                                      [r.generator for r in reqs])
+        for i, r in enumerate(reqs):
+            if r.top_logprobs_num:
+                r.output_top_logprobs.append(top_logprobs(logp[i], r.top_logprobs_num))
+        return toks, lps

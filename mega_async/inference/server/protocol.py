@@ -13,8 +13,6 @@ from typing import Any, Optional
 
 import torch
 
-from mega_async.inference.engine import GenRequest
-
 DEFAULT_GROUP = "weight_update_group"
 FLATTENED_BUCKET = "flattened_bucket"
 PLAIN_LOAD_FORMATS = (None, "auto")  # one broadcast per tensor, in list order
@@ -31,6 +29,23 @@ class BadRequest(Exception):
 
 class Refused(ValueError):
     """A weight request the server will not run (answered 400 with success=false)."""
+
+
+class ContractError(BadRequest):
+    """A /generate body that breaks SGLang's JSON contract (unknown sampling key, wrong type): `{"error": msg}`."""
+
+
+class ValueRejected(BadRequest):
+    """A well-typed value SGLang refuses (out of range, unsupported): `{"error": {"message": msg}}`."""
+
+
+def error_body(e: BadRequest) -> dict:
+    """SGLang's 400 body for each kind of bad request."""
+    if isinstance(e, ContractError):
+        return {"error": str(e)}
+    if isinstance(e, ValueRejected):
+        return handler_error_body(str(e))
+    return validation_error_body(str(e))
 
 
 def validation_error_body(msg: str) -> dict:
@@ -58,84 +73,6 @@ def clean(x: Any) -> Any:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-# ---- /generate -------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class GenerateLimits:
-    vocab_size: int
-    max_context: int
-    max_new_tokens_cap: int
-    tokenizer: Any = None
-
-
-def _number(sp: dict, key: str, default: Any, kind: type) -> Any:
-    v = sp.get(key, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-        raise BadRequest(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
-    return kind(v)
-
-
-def _prompt_ids(body: dict, idx: Optional[int], lim: GenerateLimits) -> list[int]:
-    ids, text = body.get("input_ids"), body.get("text")
-    if idx is not None:
-        ids = ids[idx] if ids is not None else None
-        text = text[idx] if text is not None else None
-    if ids is None:
-        if text is None:
-            raise BadRequest("either text or input_ids should be provided")
-        if lim.tokenizer is None:
-            raise BadRequest("this server has no tokenizer: send input_ids")
-        if not isinstance(text, str):
-            raise BadRequest("text must be a string")
-        ids = lim.tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not isinstance(ids, list) or not ids or not all(_is_int(t) for t in ids):
-        raise BadRequest("input_ids must be a non-empty list of integers")
-    bad = [t for t in ids if not 0 <= t < lim.vocab_size]
-    if bad:
-        raise BadRequest(f"input_ids contain token id {bad[0]} outside [0, {lim.vocab_size})")
-    return ids
-
-
-def parse_generate(body: dict, idx: Optional[int], lim: GenerateLimits) -> tuple[GenRequest, bool]:
-    """One prompt of a /generate body (prompt `idx` of a batch) -> (request, return_logprob)."""
-    sp = body.get("sampling_params") or {}
-    if not isinstance(sp, dict):
-        raise BadRequest("sampling_params must be an object")
-    ids = _prompt_ids(body, idx, lim)
-    max_new = _number(sp, "max_new_tokens", 128, int)
-    temperature = _number(sp, "temperature", 1.0, float)
-    top_p = _number(sp, "top_p", 1.0, float)
-    top_k = _number(sp, "top_k", -1, int)
-    if max_new < 0:
-        raise BadRequest(f"max_new_tokens must be at least 0, got {max_new}")
-    if max_new > lim.max_new_tokens_cap or len(ids) + max_new > lim.max_context:
-        raise BadRequest(
-            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) exceeds the context length {lim.max_context}")
-    if temperature < 0:
-        raise BadRequest(f"temperature must be non-negative, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise BadRequest(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 1 and top_k != -1:
-        raise BadRequest(f"top_k must be -1 (disable) or at least 1, got {top_k}")
-    stop_ids = sp.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) for t in stop_ids):
-        raise BadRequest("stop_token_ids must be a list of integers")
-    stop = sp.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings")
-    rid = body.get("rid")
-    if idx is not None and isinstance(rid, list):
-        rid = rid[idx]
-    rid = str(rid) if rid is not None else uuid.uuid4().hex
-    if idx is not None and body.get("rid") is not None and not isinstance(body.get("rid"), list):
-        rid = f"{rid}-{idx}"
-    req = GenRequest(rid=rid, input_ids=list(ids), max_new_tokens=max_new, temperature=temperature, top_p=top_p,
-                     top_k=top_k, stop_token_ids=set(stop_ids), stop=stop, ignore_eos=bool(sp.get("ignore_eos", False)))
-    return req, bool(body.get("return_logprob", False))
 
 
 # ---- weight-update group -----------------------------------------------------------------------

@@ -18,10 +18,10 @@ from typing import Any, Awaitable, Callable, Optional
 import torch
 
 from mega_async.inference.dist_group import WeightGroup
-from mega_async.inference.engine import GenerationEngine
+from mega_async.inference.server.engine import GenerationEngine
 from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate, Refused, parse_group_name,
                                                   parse_init_group, parse_update_distributed, result_body, unflatten)
-from mega_async.inference.weights import (WeightBackup, WeightLoadError, check_layout, load_named_tensors,
+from mega_async.inference.server.weights import (WeightBackup, WeightLoadError, check_layout, load_named_tensors,
                                           read_safetensors_dir)
 
 logger = logging.getLogger("mega_async.inference.server.updates")
@@ -89,6 +89,7 @@ class WeightUpdates:
         self._joining: set[str] = set()
         self._window: Optional[PauseWindow] = None
         self._lock = asyncio.Lock()  # one bucket at a time: receive and apply in arrival order
+        self.loaded_path: Optional[str] = None  # the directory of the last disk update (/model_info's model_path)
 
     # ---- pause window --------------------------------------------------------------------------
     def open_window(self) -> None:
@@ -104,8 +105,7 @@ class WeightUpdates:
         if window is None:
             return 400, result_body(False, f"{what}: {why}. {outside}")
         window.failed = window.failed or why
-        n = await asyncio.wrap_future(self.engine.run_command(window.backup.restore))
-        self.engine.weight_version = window.version_before
+        n = await asyncio.wrap_future(self.engine.run_command(lambda: self._restore(window)))
         logger.warning("%s (%s): rolled back %d tensors to weight version %s", what, why, n, window.version_before)
         return 400, result_body(False, f"{what}: {why}. Rolled back every weight updated since /pause_generation "
                                        f"({n} tensors) and the weight version to {window.version_before!r}.")
@@ -121,11 +121,17 @@ class WeightUpdates:
             if window is None:
                 return 400, result_body(False, "Nothing to roll back: generation is not paused "
                                                "(/rollback_weights undoes the weight updates since /pause_generation).")
-            n = await asyncio.wrap_future(self.engine.run_command(window.backup.restore))
-            self.engine.weight_version = window.version_before
+            n = await asyncio.wrap_future(self.engine.run_command(lambda: self._restore(window)))
             self._window = PauseWindow(window.version_before)
         logger.info("rolled back %d tensors to weight version %s on request", n, window.version_before)
         return 200, result_body(True, f"Rolled back {n} tensors to weight version {window.version_before}.")
+
+    def _restore(self, window: PauseWindow) -> int:
+        """Engine thread: weights and version back to the pause, prefix cache dropped."""
+        n = window.backup.restore()
+        self.engine.weight_version = window.version_before
+        self.engine.prefix_cache.clear()
+        return n
 
     def _poisoned(self, window: Optional[PauseWindow]) -> Optional[str]:
         if window is None or window.failed is None:
@@ -133,16 +139,46 @@ class WeightUpdates:
         return (f"an earlier weight update since /pause_generation failed ({window.failed}) and was rolled back; "
                 "call /continue_generation and send the weights again")
 
-    def _set_version(self, body: dict) -> str:
+    def _version_note(self, body: dict) -> str:
         v = body.get("weight_version")
-        if v is None:
-            return ""
-        self.engine.weight_version = str(v)
-        return f" Weight version updated to {v}."
+        return "" if v is None else f" Weight version updated to {v}."
 
     async def _load(self, body: dict, named: list, strict: bool, window: Optional[PauseWindow]) -> int:
+        """Load on the engine thread; the new version is set in the same step, so no token is mislabelled."""
         backup = window.backup if window is not None else None
-        return await self._exclusive(body, lambda: load_named_tensors(self.engine.model, named, strict, backup))
+        v = body.get("weight_version")
+
+        def run() -> int:
+            if "weights" in self.engine.released:
+                raise WeightLoadError("the weights are released (/release_memory_occupation): call "
+                                      "/resume_memory_occupation with tags [\"weights\"] first")
+            n = load_named_tensors(self.engine.model, named, strict, backup)
+            self.engine.prefix_cache.clear()  # KV computed by the old weights
+            if v is not None:
+                self.engine.weight_version = str(v)
+            return n
+
+        return await self._exclusive(body, run)
+
+    async def set_version(self, body: dict) -> Reply:
+        """POST /update_weight_version {"new_version", "abort_all_requests" (default true)}, as SGLang."""
+        v = body.get("new_version")
+        if not isinstance(v, (str, int)) or isinstance(v, bool) or v == "":
+            raise BadRequest(f"new_version must be a non-empty string, got {v!r}")
+        if body.get("abort_all_requests", True):
+            await asyncio.wrap_future(self.engine.abort(abort_all=True))
+
+        def run() -> None:
+            self.engine.weight_version = str(v)
+
+        await asyncio.wrap_future(self.engine.run_command(run))
+        return 200, {"success": True, "message": f"Weight version updated to {v}", "new_version": str(v)}
+
+    async def from_tensor(self, body: dict) -> Reply:
+        """POST /update_weights_from_tensor: SGLang's colocated path sends pickled CUDA IPC handles."""
+        return 400, result_body(False, "update_weights_from_tensor is not supported by the embedded server: it "
+                                       "carries pickled CUDA IPC handles; use /update_weights_from_distributed or "
+                                       "/update_weights_from_disk")
 
     # ---- /update_weights_from_disk -------------------------------------------------------------
     def _allowed_dir(self, path: Any) -> Path:
@@ -166,14 +202,15 @@ class WeightUpdates:
             fmt = body.get("load_format")
             if fmt not in (None, "auto", "safetensors"):
                 raise WeightLoadError(f"load_format {fmt!r} is not supported (safetensors only)")
-            tensors = await loop.run_in_executor(None, lambda: list(read_safetensors_dir(d)))
+            tensors = await loop.run_in_executor(None, lambda: list(read_safetensors_dir(d, self.weights_root)))
             async with self._lock:
                 n = await self._load(body, tensors, True, window)
-        except (WeightLoadError, OSError, ValueError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - every load failure answers the same body
             status, reply = await self._failed(window, "Failed to update weights", str(e),
                                                "Rolled back to the previous weights.")
             return status, {**reply, "num_paused_requests": 0}
-        note = self._set_version(body)
+        note = self._version_note(body)
+        self.loaded_path = str(d)
         logger.info("loaded %d tensors from %s (version %s)", n, d, self.engine.weight_version)
         return 200, result_body(True, "Succeeded to update model weights." + note, num_paused_requests=0)
 
@@ -250,4 +287,4 @@ class WeightUpdates:
                 return await self._failed(window, what, str(e))
         logger.info("loaded %d tensors (%d bytes%s) from group %r", n, upd.nbytes,
                     ", flattened" if upd.flattened else "", upd.group_name)
-        return 200, result_body(True, "Succeeded to update parameter online." + self._set_version(body))
+        return 200, result_body(True, "Succeeded to update parameter online." + self._version_note(body))

@@ -1,0 +1,279 @@
+"""OpenAI-compatible /v1/completions, /v1/chat/completions and /v1/models, as SGLang serves them.
+
+Each request becomes /generate requests on the same engine (so pauses, weight versions and the prefix
+cache apply). SGLang's extensions are honoured: `return_token_ids` (completions: choices[].token_ids and
+prompt_token_ids; chat: choices[].prompt_token_ids and response_token_ids), `return_meta_info` (chat:
+choices[].meta_info, the native meta_info with output_token_logprobs and weight_versions), top_k, min_p,
+min_tokens, repetition_penalty, stop_token_ids, ignore_eos, no_stop_trim, return_routed_experts
+(sglext.routed_experts), and `metadata.weight_version(s)` on every response.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+from aiohttp import web
+
+from mega_async.inference.server.generate_protocol import output_text
+from mega_async.inference.server.protocol import BadRequest, clean
+
+if TYPE_CHECKING:
+    from mega_async.inference.server.app import EmbeddedServer, Tracked
+
+UNSUPPORTED = {"tools": "tool calling", "functions": "function calling", "suffix": "suffix", "echo": "echo",
+               "response_format": "response_format", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",
+               "audio": "audio output", "prediction": "predicted outputs"}
+PASSTHROUGH = ("top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
+               "no_stop_trim", "frequency_penalty", "presence_penalty", "temperature", "top_p", "n", "stop")
+
+
+class OpenAIError(BadRequest):
+    pass
+
+
+def error_response(msg: str, status: int = 400) -> web.Response:
+    return web.json_response({"object": "error", "message": msg, "type": "BadRequestError", "param": None,
+                              "code": status}, status=status)
+
+
+class OpenAIEndpoints:
+    def __init__(self, server: "EmbeddedServer") -> None:
+        self.s = server
+
+    def register(self, r: web.UrlDispatcher) -> None:
+        r.add_get("/v1/models", self.models)
+        r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/chat/completions", self.chat)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.s.served_model_name, "object": "model", "created": 0, "owned_by": "sglang",
+             "root": self.s.model_path, "max_model_len": self.s.max_context}]})
+
+    # ---- request mapping ---------------------------------------------------------------------
+    def _generate_body(self, req: dict, prompts: list[list[int]], chat: bool) -> dict:
+        for k, what in UNSUPPORTED.items():
+            v = req.get(k)
+            if v not in (None, False, [], {}, "") and not (k == "response_format" and v == {"type": "text"}):
+                raise OpenAIError(f"{k}: {what} is not supported by the embedded server")
+        if (req.get("best_of") or 1) != (req.get("n") or 1):
+            raise OpenAIError("best_of different from n is not supported by the embedded server")
+        sp = {k: req[k] for k in PASSTHROUGH if req.get(k) is not None}
+        max_tokens = req.get("max_completion_tokens") if chat else None
+        max_tokens = req.get("max_tokens") if max_tokens is None else max_tokens
+        if max_tokens is None:
+            max_tokens = max(0, self.s.max_context - max(len(p) for p in prompts)) if chat else 16
+        sp["max_new_tokens"] = max_tokens
+        if req.get("min_tokens") is not None:
+            sp["min_new_tokens"] = req["min_tokens"]
+        if req.get("seed") is not None:
+            sp["sampling_seed"] = req["seed"]
+        if req.get("logit_bias"):
+            sp["logit_bias"] = req["logit_bias"]
+        if chat:
+            want_lp, top = bool(req.get("logprobs")), req.get("top_logprobs") or 0
+        else:
+            want_lp, top = req.get("logprobs") is not None, req.get("logprobs") or 0
+        body = {"input_ids": prompts if len(prompts) > 1 else prompts[0], "sampling_params": sp,
+                "return_logprob": want_lp or bool(req.get("return_meta_info")), "top_logprobs_num": top,
+                "return_routed_experts": bool(req.get("return_routed_experts"))}
+        if req.get("rid") is not None:
+            body["rid"] = req["rid"]
+        return body
+
+    async def _chat_prompt(self, req: dict) -> list[int]:
+        tok = self.s.tokenizer
+        msgs = req.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+            raise OpenAIError("messages must be a non-empty list of {role, content} objects")
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise OpenAIError("the model card has no chat template (chat_template.jinja): use /v1/completions")
+        kwargs = req.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise OpenAIError("chat_template_kwargs must be an object")
+        loop = asyncio.get_running_loop()
+
+        def render() -> list[int]:
+            text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+        return await loop.run_in_executor(None, render)
+
+    async def _completion_prompts(self, req: dict) -> list[list[int]]:
+        p = req.get("prompt")
+        if isinstance(p, str) or (isinstance(p, list) and p and isinstance(p[0], int)):
+            items = [p]
+        elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            items = list(p)
+        else:
+            raise OpenAIError("prompt must be a string, a list of strings, or token ids")
+        return await self.s.tokenize(items)
+
+    # ---- endpoints ---------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            req = await self.s._dict_body(request)
+            prompts = [await self._chat_prompt(req)] if chat else await self._completion_prompts(req)
+            body = self._generate_body(req, prompts, chat)
+            reqs, _ = await self.s.prepare(body)
+        except BadRequest as e:
+            return error_response(str(e))
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        model = req.get("model") or self.s.served_model_name
+        if req.get("stream"):
+            if chat and (req.get("return_token_ids") or req.get("return_meta_info")):
+                return error_response("return_token_ids / return_meta_info are not supported with streaming; "
+                                      "set stream=false")
+            return await self._stream(request, req, reqs, rid, model, chat)
+        try:
+            tracked = await self.s.run_all(reqs, body_fn=lambda t: t)
+        except BadRequest as e:
+            return error_response(str(e))
+        choices = [self._choice(i, t, req, chat) for i, t in enumerate(tracked)]
+        native = [self.s.body(t) for t in tracked]
+        out = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+               "model": model, "choices": choices, "usage": usage(tracked, n=(req.get("n") or 1)),
+               "metadata": weight_metadata(native[0]["meta_info"])}
+        routes = next((m["meta_info"].get("routed_experts") for m in native if m["meta_info"].get("routed_experts")),
+                      None)
+        if routes is not None:
+            out["sglext"] = {"routed_experts": routes}
+        return web.json_response(clean(out))
+
+    def _choice(self, i: int, t: "Tracked", req: dict, chat: bool) -> dict:
+        r, fr = t.req, t.req.finish_reason or {}
+        text = output_text(r, t.opts, self.s.tokenizer)
+        c: dict[str, Any] = {"index": i, "finish_reason": fr.get("type"), "matched_stop": fr.get("matched")}
+        if chat:
+            c["message"] = {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": None}
+            c["logprobs"] = self._chat_logprobs(r, r.output_ids, r.output_logprobs, r.output_top_logprobs) \
+                if req.get("logprobs") else None
+            if req.get("return_token_ids") or req.get("return_prompt_token_ids"):
+                c["prompt_token_ids"] = list(r.input_ids)
+            if req.get("return_token_ids"):
+                c["response_token_ids"] = list(r.output_ids)
+            if req.get("return_meta_info"):
+                c["meta_info"] = self.s.body(t)["meta_info"]
+        else:
+            c["text"] = text
+            c["logprobs"] = self._completion_logprobs(r, r.output_ids, r.output_logprobs, r.output_top_logprobs) \
+                if req.get("logprobs") is not None else None
+            if req.get("return_token_ids"):
+                c["token_ids"], c["prompt_token_ids"] = list(r.output_ids), list(r.input_ids)
+        return c
+
+    def _tok(self, t: int) -> str:
+        return self.s.tokenizer.decode([t]) if self.s.tokenizer is not None else str(t)
+
+    def _chat_logprobs(self, r: Any, ids: list[int], lps: list[float], tops: list) -> dict:
+        content = []
+        for k, (t, lp) in enumerate(zip(ids, lps)):
+            s = self._tok(t)
+            top = [{"token": self._tok(tt), "bytes": list(self._tok(tt).encode()), "logprob": tl}
+                   for tl, tt in (tops[k] if k < len(tops) else [])]
+            content.append({"token": s, "bytes": list(s.encode()), "logprob": lp, "top_logprobs": top})
+        return {"content": content}
+
+    def _completion_logprobs(self, r: Any, ids: list[int], lps: list[float], tops: list) -> dict:
+        toks = [self._tok(t) for t in ids]
+        offsets, pos = [], 0
+        for s in toks:
+            offsets.append(pos)
+            pos += len(s)
+        top = [{self._tok(tt): tl for tl, tt in row} for row in tops] if tops else [None] * len(ids)
+        return {"text_offset": offsets, "token_logprobs": list(lps), "tokens": toks, "top_logprobs": top}
+
+    # ---- streaming ---------------------------------------------------------------------------
+    async def _stream(self, request: web.Request, req: dict, reqs: list, rid: str, model: str,
+                      chat: bool) -> web.StreamResponse:
+        s = self.s
+        s._claim_rids([r.rid for r, _ in reqs])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        tracked: list = []
+
+        async def send(choice: dict, usage_: Optional[dict] = None) -> None:
+            chunk = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                     "choices": [choice] if choice else [], "usage": usage_}
+            await resp.write(b"data: " + json.dumps(clean(chunk)).encode() + b"\n\n")
+
+        try:
+            await resp.prepare(request)
+            tracked = await s.submit(reqs, stream=True)
+            sent_tok, sent_text = [0] * len(tracked), [""] * len(tracked)
+            if chat:
+                for i in range(len(tracked)):
+                    await send({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None})
+            while True:
+                for i, t in enumerate(tracked):
+                    await self._stream_delta(send, i, t, req, chat, sent_tok, sent_text)
+                if all(t.done.done() and sent_tok[i] < 0 for i, t in enumerate(tracked)):
+                    break
+                waits = [asyncio.ensure_future(t.changed.wait()) for t in tracked if not t.done.done()]
+                if waits:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+            if (req.get("stream_options") or {}).get("include_usage"):
+                await send({}, usage(tracked, n=(req.get("n") or 1)))
+            await resp.write(b"data: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionError):
+            for t in tracked:
+                s.engine.cancel(t.req)
+            raise
+        finally:
+            s._rids.difference_update(r.rid for r, _ in reqs)
+        return resp
+
+    async def _stream_delta(self, send: Any, i: int, t: "Tracked", req: dict, chat: bool, sent_tok: list,
+                            sent_text: list) -> None:
+        if sent_tok[i] < 0:
+            return
+        t.changed.clear()
+        fin = t.done.done()
+        r = t.req
+        n = len(r.output_ids)
+        if n == sent_tok[i] and not fin:
+            return
+        text = output_text(r, t.opts, self.s.tokenizer) if fin else self.s.tokenizer.decode(
+            r.output_ids[:n], skip_special_tokens=t.opts.skip_special_tokens) if self.s.tokenizer else ""
+        if not fin and text.endswith("\ufffd"):
+            return  # an incomplete UTF-8 sequence: wait for the next token
+        delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else text
+        ids, lps = r.output_ids[sent_tok[i]:n], r.output_logprobs[sent_tok[i]:n]
+        tops = r.output_top_logprobs[sent_tok[i]:n]
+        fr = (r.finish_reason or {}) if fin else {}
+        choice: dict[str, Any] = {"index": i, "finish_reason": fr.get("type"), "matched_stop": fr.get("matched")}
+        if chat:
+            choice["delta"] = {"content": delta}
+            choice["logprobs"] = self._chat_logprobs(r, ids, lps, tops) if req.get("logprobs") else None
+        else:
+            choice["text"] = delta
+            choice["logprobs"] = self._completion_logprobs(r, ids, lps, tops) if req.get("logprobs") is not None \
+                else None
+            if req.get("return_token_ids"):
+                choice["token_ids"] = list(ids)
+        await send(choice)
+        sent_tok[i], sent_text[i] = (-1 if fin else n), text
+
+
+def usage(tracked: list, n: int = 1) -> dict:
+    """OpenAI usage; prompt and cached tokens count once per prompt (stride n), as SGLang's UsageProcessor."""
+    prompt = sum(len(t.req.input_ids) for t in tracked[::n])
+    cached = sum(t.req.cached_tokens for t in tracked[::n])
+    completion = sum(len(t.req.output_ids) for t in tracked)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}, "reasoning_tokens": 0}
+
+
+def weight_metadata(meta: dict) -> dict:
+    """SGLang's build_endpoint_weight_version_metadata."""
+    return {"weight_version": meta["weight_version"], "weight_versions": meta.get("weight_versions", [])}
