@@ -69,7 +69,7 @@ class WorkflowExecutor:
         max_staleness: int,
         max_concurrent_rollouts: int | None = None,
         should_accept: AcceptFn | None = None,
-        poll_interval: float = 0.05,
+        poll_interval: float = 0.5,
         version: WeightVersion | None = None,
         max_consecutive_failures: int | None = 32,
         ledger: Ledger | None = None,
@@ -84,8 +84,8 @@ class WorkflowExecutor:
             version=version,
         )
         self.max_pending = (max_staleness + 1) * consumer_batch_size
-        self._poll = poll_interval
-        self._runner = AsyncTaskRunner(admit=self.staleness.try_submit, name="rollout")
+        self._poll = poll_interval  # liveness only (a dead runner thread); every state change notifies
+        self._runner = AsyncTaskRunner(admit=self.staleness.try_submit, name="rollout", on_admitted=self._on_admitted)
         self._cond = threading.Condition()
         self._ids = itertools.count()
         self._running_heads: dict[int, int] = {}  # task id -> head version, for admitted episodes
@@ -93,7 +93,13 @@ class WorkflowExecutor:
         # per-version counts (a handful of live versions) make the readiness check O(versions), not O(B)
         self._running_by_head: collections.Counter[int] = collections.Counter()
         self._done_by_head: collections.Counter[int] = collections.Counter()
-        self._counts = {"accepted": 0, "rejected": 0, "failed": 0, "filtered": 0, "consumed": 0}
+        self._counts = {"accepted": 0, "rejected": 0, "failed": 0, "filtered": 0, "consumed": 0, "output_tokens": 0}
+        self._consumed_staleness: collections.Counter[int] = collections.Counter()  # version at consumption - head
+        # the consumer sleeps until its batch may be ready, the rollout went idle, or the pending queue fell to
+        # the refill mark: one hand-off per batch or refill, not one per finished episode
+        self._want = 0  # results the blocked consumer waits for (0: nobody waits)
+        self._want_refill = False  # the blocked consumer is prepare_batch(), which also refills the queue
+        self._refill_mark = self.max_pending - max(1, self.max_pending // 4)
         self._data_iters: dict[int, tuple[Any, Iterator]] = {}
         self.max_consecutive_failures = max_consecutive_failures
         self._failures_in_row = 0
@@ -133,9 +139,10 @@ class WorkflowExecutor:
 
     # ---- producer --------------------------------------------------------------------------
     def submit(self, data: Any, workflow: RolloutWorkflow | None = None, *, tag: Optional[dict] = None,
-               journal: Optional[EpisodeJournal] = None, head: Optional[int] = None) -> int:
+               journal: Optional[EpisodeJournal] = None, head: Optional[int] = None, wake: bool = True) -> int:
         """Queue one item (one prompt group) for an episode; returns its task id. `tag` names the item in the
-        ledger; `journal` and `head` restore an episode that was running at a checkpoint (it starts at once)."""
+        ledger; `journal` and `head` restore an episode that was running at a checkpoint (it starts at once).
+        `wake=False` leaves admission to the next wake() (one hand-off to the runner for a burst of submits)."""
         if self._fatal is not None:
             raise self._fatal
         wf = workflow or self.workflow
@@ -165,7 +172,7 @@ class WorkflowExecutor:
 
         try:
             if head is None:
-                self._runner.submit(tid, episode, on_done)
+                self._runner.submit(tid, episode, on_done, wake=wake)
             else:
                 self.staleness.on_submitted()  # admitted before the checkpoint: counted as running again
                 self._runner.start_admitted(tid, episode, head, on_done)
@@ -197,6 +204,7 @@ class WorkflowExecutor:
                     verdict = "failed"
                     logger.warning("should_accept raised %r on episode %d (item: %.200r)", e, tid, data)
             self._counts[verdict] += 1
+            self._counts["output_tokens"] += task.journal.generated_tokens
             self._track_failures(verdict, exc)
             if verdict == "accepted":
                 self.staleness.on_accepted()
@@ -208,6 +216,18 @@ class WorkflowExecutor:
                 if self.ledger is not None:
                     self.ledger.write(task.tag, verdict, head, result if isinstance(result, dict) else None,
                                       error=f"{type(exc).__name__}: {exc}" if exc is not None else None)
+            if self._want and (self._fatal is not None or not self._running_heads or self._ready(self._want)
+                               or (self._want_refill and self.staleness.enqueued <= self._refill_mark)):
+                self._cond.notify_all()
+
+    def _on_admitted(self) -> None:
+        """Runner thread, after a round of admissions: a waiting consumer refills once the queue ran low."""
+        if self._want_refill and self.staleness.enqueued <= self._refill_mark:
+            with self._cond:
+                self._cond.notify_all()
+
+    def _notify(self) -> None:
+        with self._cond:
             self._cond.notify_all()
 
     def _track_failures(self, verdict: str, exc: Optional[BaseException]) -> None:
@@ -242,8 +262,10 @@ class WorkflowExecutor:
 
     def _take(self, count: int) -> list[dict]:
         out = []
+        now = self.staleness.version
         for _ in range(count):
             head, tid, result = heapq.heappop(self._done)
+            self._consumed_staleness[now - head] += 1
             self._dec(self._done_by_head, head)
             task = self._tasks.pop(tid)
             if self.ledger is not None:
@@ -268,18 +290,25 @@ class WorkflowExecutor:
         """Block until `count` accepted results are ready; return them oldest head version first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while True:
-                self._check_alive()
-                if self._ready(count):
-                    return self._take(count)
-                self._raise_if_stuck(count)
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"wait({count}) timed out after {timeout}s with {len(self._done)} results ready "
-                        f"and {len(self._running_heads)} running"
-                    )
-                self._cond.wait(self._poll if remaining is None else min(self._poll, remaining))
+            try:
+                return self._wait_locked(count, timeout, deadline)
+            finally:
+                self._want = 0
+
+    def _wait_locked(self, count: int, timeout: float | None, deadline: float | None) -> list[dict]:
+        while True:
+            self._check_alive()
+            if self._ready(count):
+                return self._take(count)
+            self._raise_if_stuck(count)
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(
+                    f"wait({count}) timed out after {timeout}s with {len(self._done)} results ready "
+                    f"and {len(self._running_heads)} running"
+                )
+            self._want = count
+            self._cond.wait(self._poll if remaining is None else min(self._poll, remaining))
 
     def _raise_if_stuck(self, count: int) -> None:
         """Nothing running and nothing can start: waiting would hang forever, so say why instead."""
@@ -316,10 +345,20 @@ class WorkflowExecutor:
                         f"dataloader exhausted: {len(self._done)} accepted results, a batch needs {B}"
                     )
                 self._raise_if_stuck(B)
-                self._cond.wait(self._poll)
+                self._want, self._want_refill = B, True
+                try:
+                    self._cond.wait(self._poll)
+                finally:
+                    self._want, self._want_refill = 0, False
 
     def _refill(self, dataloader: Iterable, workflow: RolloutWorkflow | None) -> bool:
-        """Submit items until the pending cap is reached; True when a one-shot iterator ran dry."""
+        """Submit items until the pending cap is reached (one wake for all); True when a one-shot iterator ran dry."""
+        try:
+            return self._refill_quiet(dataloader, workflow)
+        finally:
+            self._runner.wake()
+
+    def _refill_quiet(self, dataloader: Iterable, workflow: RolloutWorkflow | None) -> bool:
         key = id(dataloader)
         if key not in self._data_iters or self._data_iters[key][0] is not dataloader:
             self._data_iters[key] = (dataloader, iter(dataloader))
@@ -336,9 +375,9 @@ class WorkflowExecutor:
                 except StopIteration:
                     return True  # empty dataloader
             if isinstance(item, Sample):
-                self.submit(item.data, workflow, tag=item.tag)
+                self.submit(item.data, workflow, tag=item.tag, wake=False)
             else:
-                self.submit(item, workflow)
+                self.submit(item, workflow, wake=False)
         return False
 
     # ---- checkpoint -------------------------------------------------------------------------
@@ -386,6 +425,7 @@ class WorkflowExecutor:
     def pause(self) -> None:
         """Stop starting new episodes (running ones continue); call before a weight update."""
         self._runner.pause()
+        self._notify()  # a consumer waiting with nothing running now has its answer
 
     def resume(self) -> None:
         if self._fatal is None:  # a stopped rollout stays stopped
@@ -413,5 +453,8 @@ class WorkflowExecutor:
 
     @property
     def stats(self) -> dict[str, int]:
+        """Staleness manager and verdict counters, generated tokens, and `consumed_staleness_<k>`: consumed
+        groups by realized staleness (version at consumption minus head version)."""
         with self._cond:
-            return {**self.staleness.stats, **self._counts, "ready": len(self._done)}
+            return {**self.staleness.stats, **self._counts, "ready": len(self._done),
+                    **{f"consumed_staleness_{k}": n for k, n in sorted(self._consumed_staleness.items())}}

@@ -24,8 +24,10 @@ class RunnerError(RuntimeError):
 
 
 class AsyncTaskRunner:
-    def __init__(self, admit: AdmitFn | None = None, name: str = "rollout"):
+    def __init__(self, admit: AdmitFn | None = None, name: str = "rollout",
+                 on_admitted: Optional[Callable[[], None]] = None):
         self._admit: AdmitFn = admit or (lambda: True)
+        self._on_admitted = on_admitted  # called on the loop thread, no lock held, after a round of admissions
         self._name = name
         self._pending: collections.deque[tuple[int, TaskFactory, DoneFn]] = collections.deque()
         self._pending_lock = threading.Lock()
@@ -34,6 +36,8 @@ class AsyncTaskRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
+        self._loop_thread_id: Optional[int] = None
+        self._wake_scheduled = False  # a cross-thread wake is queued: later ones coalesce into it
         self._started = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
@@ -61,6 +65,7 @@ class AsyncTaskRunner:
     def _thread_main(self) -> None:
         loop = asyncio.new_event_loop()
         self._loop = loop
+        self._loop_thread_id = threading.get_ident()
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._main())
@@ -80,22 +85,28 @@ class AsyncTaskRunner:
         while not self._stopping:
             await self._wake.wait()
             self._wake.clear()
+            self._wake_scheduled = False
             if self.error is not None:
                 raise self.error
-            self._launch_admitted()
+            if self._launch_admitted() and self._on_admitted is not None:
+                self._on_admitted()
 
-    def _launch_admitted(self) -> None:
+    def _launch_admitted(self) -> int:
+        """Start every pending task that admit() lets in; returns how many started."""
+        started = 0
         while not self._stopping:
             with self._pending_lock:  # pause() takes this lock: after it returns nothing is admitted
                 if self._paused.is_set() or not self._pending:
-                    return
+                    return started
                 token = self._admit()
                 if token is None:
-                    return
+                    return started
                 task_id, factory, on_done = self._pending.popleft()
             task = asyncio.get_running_loop().create_task(self._run(task_id, factory, token, on_done))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            started += 1
+        return started
 
     async def _run(self, task_id: int, factory: TaskFactory, token: Any, on_done: DoneFn) -> None:
         result, exc = None, None
@@ -121,12 +132,14 @@ class AsyncTaskRunner:
         if self._thread is None or not self._thread.is_alive():
             raise RunnerError(f"{self._name} runner is not running (call start() first)")
 
-    def submit(self, task_id: int, factory: TaskFactory, on_done: DoneFn) -> None:
-        """Queue a task; it starts once not paused and `admit()` returns a token (passed to factory)."""
+    def submit(self, task_id: int, factory: TaskFactory, on_done: DoneFn, wake: bool = True) -> None:
+        """Queue a task; it starts once not paused and `admit()` returns a token (passed to factory).
+        `wake=False` defers admission to the next wake() (one loop hand-off for a burst of submits)."""
         self.check()
         with self._pending_lock:
             self._pending.append((task_id, factory, on_done))
-        self.wake()
+        if wake:
+            self.wake()
 
     def start_admitted(self, task_id: int, factory: TaskFactory, token: Any, on_done: DoneFn) -> None:
         """Start a task that was admitted before (a rollout restored from a checkpoint): no admit(), no pause."""
@@ -158,7 +171,15 @@ class AsyncTaskRunner:
     def wake(self) -> None:
         """Re-evaluate admission (after a submit, a finished task, a version bump or resume)."""
         loop, ev = self._loop, self._wake
-        if loop is not None and ev is not None and not loop.is_closed():
+        if loop is None or ev is None:
+            return
+        if threading.get_ident() == self._loop_thread_id:  # on the loop (a finished task): no self-pipe write
+            ev.set()
+            return
+        if self._wake_scheduled:  # a queued wake has not run yet: it will see this change too
+            return
+        if not loop.is_closed():
+            self._wake_scheduled = True
             try:
                 loop.call_soon_threadsafe(ev.set)
             except RuntimeError:  # loop closed between the check and the call
