@@ -75,6 +75,9 @@ class RolloutConfig:
     turn_discount: float = 0.9  # multi_turn: the reward is multiplied by this for every extra turn
     # failed episodes (errors, not rejections) in a row before the run stops with the first error; null = never
     max_consecutive_failures: Optional[int] = 32
+    # ask the servers for every token's routed experts (SGLang: --enable-return-routed-experts, added to servers
+    # the run launches); the trainer reports how often its routing differs (mismatch/route_*)
+    return_routed_experts: bool = False
 
 
 @dataclass
@@ -111,6 +114,9 @@ class AlgorithmConfig:
     # masked) | tis (w truncated at behav_imp_weight_cap)
     imp_weight_mode: str = "cap_mask"
     imp_weight_bounds: list[float] = field(default_factory=lambda: [0.5, 5.0])  # [low, high] for icepop, seq_mask
+    # R3: the trainer's MoE routers replay the experts each token was generated with (routes from the servers,
+    # kept across interruptions); implies rollout.return_routed_experts
+    routing_replay: bool = False
 
 
 @dataclass
@@ -297,6 +303,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"algorithm.adv_norm={a.adv_norm} needs rollout.group_size >= 2 (got {r.group_size})")
     _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
     _objective_checks(cfg)
+    if (a.routing_replay or r.return_routed_experts) and inf.backend == "simulated":
+        raise ConfigError("algorithm.routing_replay / rollout.return_routed_experts need servers that return routed "
+                          "experts; inference.backend=simulated has none (use embedded or sglang)")
     _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
     _positive("trainer.total_steps", t.total_steps)
     _positive("trainer.lr", t.lr)

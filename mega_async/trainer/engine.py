@@ -17,11 +17,13 @@ import torch.distributed as dist
 
 from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty
 from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
+from mega_async.trainer.routing import RouteReplay
 
 logger = logging.getLogger("mega_async.trainer.engine")
 
 STAT_KEYS = ("loss", "n_tokens", "entropy", "staleness", "clip_frac", "imp_weight_capped_frac",
-             "behav_imp_weight_mean", "approx_kl", "kl_ref")
+             "behav_imp_weight_mean", "approx_kl", "kl_ref", "lp_mismatch_sum", "lp_mismatch_n")
+_UNSCALED = ("n_tokens", "lp_mismatch_sum", "lp_mismatch_n")  # sums not divided by the token count
 
 
 @dataclass
@@ -47,6 +49,7 @@ class EngineConfig:
     objective: str = "token"  # token | gspo (algo.loss)
     imp_weight_mode: str = "cap_mask"  # cap_mask | icepop | seq_mask | tis
     imp_weight_bounds: tuple[float, float] = (0.5, 5.0)
+    routing_replay: bool = False  # R3: MoE routers replay the rollout's experts (batch key routed_experts)
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
@@ -57,7 +60,8 @@ class EngineConfig:
                    temperature=cfg.rollout.temperature or 1.0, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
                    dual_clip=a.dual_clip, behav_imp_weight_cap=a.behav_imp_weight_cap, prox_logp=a.prox_logp,
                    kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, objective=a.objective,
-                   imp_weight_mode=a.imp_weight_mode, imp_weight_bounds=tuple(a.imp_weight_bounds))
+                   imp_weight_mode=a.imp_weight_mode, imp_weight_bounds=tuple(a.imp_weight_bounds),
+                   routing_replay=a.routing_replay)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class MicroBatch:
     versions: torch.Tensor  # [T]
     rows: list[int]
     cp_index: Optional[torch.Tensor] = None  # with CP: this rank's positions of the stream (load-balanced chunks)
+    routes: Optional[torch.Tensor] = None  # [T, layers, k] rollout experts of the forward at each position, -1: none
 
     def cp_local(self) -> "MicroBatch":
         """The per-token fields at this CP rank's positions (the whole micro-batch without CP)."""
@@ -80,7 +85,8 @@ class MicroBatch:
         i = self.cp_index
         return MicroBatch(self.packed, self.labels[i], self.loss_mask[i], self.behav[i],
                           None if self.prox is None else self.prox[i], None if self.ref is None else self.ref[i],
-                          self.advantages[i], self.versions[i], self.rows, i)
+                          self.advantages[i], self.versions[i], self.rows, i,
+                          None if self.routes is None else self.routes[i])
 
 
 class MegatronTrainEngine:
@@ -130,6 +136,13 @@ class MegatronTrainEngine:
         self.cp = mpu.get_context_parallel_world_size()
         self.version = 0
         self._stats: dict[str, torch.Tensor] = {}
+        self._measure = False  # the first mini-batch's forward (pre-update weights) measures train/rollout mismatch
+        self._lp_mismatch_max = 0.0
+        self.routing: Optional[RouteReplay] = None
+        if cfg.routing_replay and not self.bridge.is_moe:
+            raise ValueError("algorithm.routing_replay=true needs an MoE model; this one is dense")
+        if self.bridge.is_moe:
+            self.routing = RouteReplay(self.models, int(self.bridge.hf_config.num_hidden_layers), cfg.routing_replay)
 
     # ---- batching ----------------------------------------------------------------------------
     def _rows(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -149,8 +162,19 @@ class MegatronTrainEngine:
                 "adv": (torch.full((L,), float(a)) if a is not None else shift(adv)).float(),
                 "prox": shift(batch["prox_logprobs"]) if "prox_logprobs" in batch else None,
                 "ref": shift(batch["ref_logprobs"]) if "ref_logprobs" in batch else None,
+                # position t's route is the forward at t (which predicts t+1): no shift
+                "routes": self._routes(batch["routed_experts"][i, :L]) if "routed_experts" in batch else None,
             })
         return out
+
+    def _routes(self, r: torch.Tensor) -> torch.Tensor:
+        """One sequence's routes as [L, layers, top_k] (trajectories carry [L, layers * top_k])."""
+        k = int(self.bridge.hf_config.num_experts_per_tok)
+        if r.dim() == 2 and r.shape[1] % k == 0:
+            r = r.reshape(r.shape[0], -1, k)
+        if r.dim() != 3 or r.shape[2] != k:
+            raise ValueError(f"routed_experts rows of shape {tuple(r.shape[1:])} do not hold top-{k} experts per layer")
+        return r
 
     def _micro_batches(self, rows: list[dict[str, torch.Tensor]], idx: list[int]) -> list[MicroBatch]:
         from megatron.core import parallel_state as mpu
@@ -177,7 +201,8 @@ class MegatronTrainEngine:
             mbs.append(MicroBatch(p, cat("labels").long(), cat("mask"), cat("behav"),
                                   cat("prox") if sel[0]["prox"] is not None else None,
                                   cat("ref") if sel[0]["ref"] is not None else None, cat("adv"),
-                                  cat("versions", -1).long(), [idx[j] for j in g], self._cp_index(p)))
+                                  cat("versions", -1).long(), [idx[j] for j in g], self._cp_index(p),
+                                  _cat_routes(sel, p) if sel[0]["routes"] is not None else None))
         return mbs
 
     def _cp_index(self, p: Packed) -> Optional[torch.Tensor]:
@@ -210,8 +235,15 @@ class MegatronTrainEngine:
             tokens, pos = mb.packed.tokens, mb.packed.position_ids
             if mb.cp_index is not None:
                 tokens, pos = tokens[mb.cp_index], pos[mb.cp_index]
+            local = mb.cp_local()
+            routed = self.routing is not None and local.routes is not None
+            if routed:  # replay targets and agreement counts for this chunk's routers
+                w = local.loss_mask * (local.versions == self.version) if self._measure else None
+                self.routing.before_forward(model, local.routes, w)
             out = model(tokens[None].to(_device()), pos[None].to(_device()), None, packed_seq_params=psp)
-            return out, lambda logits, non_loss_data=False, mb=mb.cp_local(): loss_fn(logits[0], mb)
+            if routed:
+                self.routing.after_forward(model)
+            return out, lambda logits, non_loss_data=False, mb=local: loss_fn(logits[0], mb)
 
         max_t = max(mb.packed.tokens.numel() for mb in mbs) // self.cp
         models = models or (self.models if forward_only else self.ddp)
@@ -277,6 +309,19 @@ class MegatronTrainEngine:
                 out[r, 1:n] = lp[s:s + n - 1]  # position t predicts token t+1
         return out
 
+    def routing_mismatch(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Per-layer top-1 / expert-set disagreement between this forward's routing (replayed when
+        routing_replay is on) and the batch's `routed_experts`, on current-version output tokens; no update."""
+        if self.routing is None or "routed_experts" not in batch:
+            raise ValueError("routing_mismatch needs an MoE model and a batch with routed_experts")
+        rows = self._rows(batch)
+        self._measure = True
+        try:
+            self._logprobs(self._micro_batches(rows, list(range(len(rows)))))
+        finally:
+            self._measure = False
+        return {k: v for k, v in self._mismatch_stats({}).items() if k.startswith("mismatch/route_")}
+
     # ---- training ----------------------------------------------------------------------------
     def train_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """One PPO update on this DP rank's share of the batch (padded [n, L] trajectory tensors with
@@ -284,6 +329,9 @@ class MegatronTrainEngine:
         from megatron.core import parallel_state as mpu
 
         c = self.cfg
+        if c.routing_replay and "routed_experts" not in batch:
+            raise ValueError("algorithm.routing_replay=true but the batch has no routed_experts: the servers must "
+                             "return them (SGLang: --enable-return-routed-experts)")
         if c.prox_logp == "recompute":
             batch = {**batch, "prox_logprobs": self.compute_logprobs(batch)}
         if c.kl_coef > 0:
@@ -300,7 +348,11 @@ class MegatronTrainEngine:
             for m in self.ddp:
                 m.zero_grad_buffer()
             self.optimizer.zero_grad()
-            self._run(mbs, self._ppo_loss, forward_only=False)
+            self._measure = mini == 0
+            try:
+                self._run(mbs, self._ppo_loss, forward_only=False)
+            finally:
+                self._measure = False
             ok, grad_norm, _ = self.optimizer.step()
             if not ok:
                 raise RuntimeError("optimizer step failed (non-finite gradients?)")
@@ -319,9 +371,37 @@ class MegatronTrainEngine:
             dist.all_reduce(vec, group=mpu.get_data_parallel_group(with_context_parallel=True))
         sums = dict(zip(keys, vec.cpu().tolist()))
         tokens = max(sums.get("n_tokens", 0.0), 1.0)
-        stats = {k: v / tokens for k, v in sums.items() if k != "n_tokens"}
+        stats = {k: v / tokens for k, v in sums.items() if k not in _UNSCALED}
         stats.update(tokens=sums.get("n_tokens", 0.0), grad_norm=max(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
+        stats.update(self._mismatch_stats(sums))
         return stats
+
+    def _mismatch_stats(self, sums: dict[str, float]) -> dict[str, float]:
+        """|trainer - behaviour| logprob over current-version tokens (mean, max) and, for MoE with routes, the
+        per-layer fraction of those tokens whose top-1 expert (or expert set) differs from the rollout's."""
+        peak = torch.tensor([self._lp_mismatch_max], dtype=torch.float64, device=_device())
+        self._lp_mismatch_max = 0.0
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        n = sums.pop("lp_mismatch_n", 0.0)
+        out = {"mismatch/current_tokens": n, "mismatch/logprob_abs_mean": sums.pop("lp_mismatch_sum", 0.0) / max(n, 1.0),
+               "mismatch/logprob_abs_max": float(peak)}
+        if self.routing is None:
+            return out
+        counts = self.routing.take_stats().to(_device())
+        if dist.is_initialized():  # every (layer, token) is counted on exactly one rank: a world sum
+            dist.all_reduce(counts)
+        counts = counts.cpu()
+        if counts[0].sum() == 0:
+            return out
+        total = counts.sum(1)
+        out.update({"mismatch/route_top1_frac": float(total[1] / total[0]),
+                    "mismatch/route_set_frac": float(total[2] / total[0])})
+        for layer in range(counts.shape[1]):
+            tok = max(float(counts[0, layer]), 1.0)
+            out[f"mismatch/route_top1_frac/layer{layer}"] = float(counts[1, layer]) / tok
+            out[f"mismatch/route_set_frac/layer{layer}"] = float(counts[2, layer]) / tok
+        return out
 
     def _ppo_loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         from mega_async.trainer.logprobs import vocab_parallel_logprobs
@@ -353,6 +433,12 @@ class MegatronTrainEngine:
                        "staleness": ((self.version - mb.versions.to(dev)).clamp(min=0) * mask).sum(),
                        **{k: st[k] * n for k in ("clip_frac", "imp_weight_capped_frac", "behav_imp_weight_mean",
                                                  "approx_kl")}}
+            if self._measure:  # tokens the current weights produced: their logprobs should agree
+                cur = mask.bool() & (mb.versions.to(dev) == self.version)
+                gap = (logp.detach() - behav).abs()[cur]
+                contrib.update(lp_mismatch_sum=gap.sum(), lp_mismatch_n=cur.sum())
+                if gap.numel():
+                    self._lp_mismatch_max = max(self._lp_mismatch_max, float(gap.max()))
             for k, v in contrib.items():
                 self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
         return loss, n.to(torch.int), {}
@@ -364,6 +450,13 @@ class MegatronTrainEngine:
         from mega_async.bridge import export_hf_weights
 
         return export_hf_weights(self.models)
+
+
+def _cat_routes(rows: list[dict[str, torch.Tensor]], p: Packed) -> torch.Tensor:
+    """The rows' routes on the packed stream [T, layers, k]; -1 on padding."""
+    parts = [torch.nn.functional.pad(r["routes"].long(), (0, 0, 0, 0, 0, pl - n), value=-1)
+             for r, n, pl in zip(rows, p.lengths, p.padded_lengths)]
+    return torch.cat(parts)
 
 
 def _seq_ids(mb: MicroBatch, c: EngineConfig, dev: torch.device) -> Optional[torch.Tensor]:

@@ -1,0 +1,90 @@
+"""Run under torchrun by tests/dist/test_replay.py: at a layout, measure the trainer's routing against rollout
+routes taken from a transformers forward (its own router's top-k on the same tokens: fp32 on the same weights,
+and "foreign" routes from perturbed router weights), with routing replay off and on; then the replayed
+logprobs and one decoupled-PPO step with replay on. Rank 0 writes the results."""
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from engine_worker import GROUP, synthetic_batch  # noqa: E402
+
+from mega_async.packing import redistribute_groups  # noqa: E402
+from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa: E402
+from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
+
+VERSION = 2
+
+
+def hf_routes(model_dir: str, batch: dict, perturb: float = 0.0) -> torch.Tensor:
+    """[n, L, layers, k] top-k experts of each position's forward in transformers; -1 at each sequence's last
+    token (never forwarded in a rollout) and on padding, as the client stores them."""
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gates = [layer.mlp.gate for layer in m.model.layers]
+    if perturb:
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for gate in gates:
+                gate.weight += perturb * torch.randn(gate.weight.shape, generator=g)
+    seen: list[torch.Tensor] = []
+    hooks = [gate.register_forward_hook(lambda mod, a, out: seen.append(out[2])) for gate in gates]
+    n, L = batch["input_ids"].shape
+    out = torch.full((n, L, len(gates), gates[0].top_k), -1, dtype=torch.int32)
+    with torch.no_grad():
+        for i in range(n):
+            k = int(batch["attention_mask"][i].sum())
+            seen.clear()
+            m(batch["input_ids"][i:i + 1, :k])
+            out[i, :k - 1] = torch.stack(seen, 1)[:k - 1].int()
+    for h in hooks:
+        h.remove()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--layout", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from megatron.core import parallel_state as mpu
+    from safetensors.torch import save_file
+
+    cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", routing_replay=False)
+    eng = MegatronTrainEngine(args.model, args.layout, cfg)
+    eng.set_version(VERSION)
+    batch = synthetic_batch()
+    batch["versions"][batch["loss_mask"].bool()] = VERSION  # every output token from the current weights
+    same, foreign = hf_routes(args.model, batch), hf_routes(args.model, batch, perturb=0.5)
+    res = {"same_off": eng.routing_mismatch({**batch, "routed_experts": same}),
+           "foreign_off": eng.routing_mismatch({**batch, "routed_experts": foreign})}
+    lp_free = eng.compute_logprobs({**batch, "routed_experts": foreign})
+    eng.cfg.routing_replay = eng.routing.replay = True
+    res["same_on"] = eng.routing_mismatch({**batch, "routed_experts": same})
+    res["foreign_on"] = eng.routing_mismatch({**batch, "routed_experts": foreign})
+    lp_replayed = eng.compute_logprobs({**batch, "routed_experts": foreign})
+    lp_same = eng.compute_logprobs({**batch, "routed_experts": same})
+    n_groups = batch["input_ids"].shape[0] // GROUP
+    tokens = [int(batch["attention_mask"][g * GROUP:(g + 1) * GROUP].sum()) for g in range(n_groups)]
+    mine = redistribute_groups(tokens, mpu.get_data_parallel_world_size())[mpu.get_data_parallel_rank()]
+    rows = [g * GROUP + j for g in mine for j in range(GROUP)]
+    res["train"] = eng.train_batch({k: v[rows] for k, v in {**batch, "routed_experts": foreign}.items()})
+    weights = {k: v.contiguous() for k, v in eng.export_hf_weights()}
+    if dist.get_rank() == 0:
+        os.makedirs(args.out, exist_ok=True)
+        save_file(weights, f"{args.out}/stepped.safetensors")
+        save_file({"free": lp_free, "replayed": lp_replayed, "same": lp_same, "mask": batch["loss_mask"].float()},
+                  f"{args.out}/logprobs.safetensors")
+        with open(f"{args.out}/stats.json", "w") as f:
+            json.dump(res, f)
+    destroy_parallel_state()
+
+
+if __name__ == "__main__":
+    main()

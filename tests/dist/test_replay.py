@@ -1,0 +1,64 @@
+"""Routing replay (R3) in the train engine on gloo. Rollout routes come from a transformers forward on the same
+tokens: with the same weights the trainer's own routing equals them on every token (so routes line up with
+positions and layers); routes from perturbed routers differ, and with replay on the trainer routes every token
+to the rollout's experts, which changes its logprobs. At EP2, PP2 and TP2 the replayed logprobs, the
+agreement counts and one replayed PPO step equal the single rank's."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mega_async.model_cards import TINY_MOE, init_random_weights
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_engine import torchrun  # noqa: E402
+
+ROUTE_KEYS = ("mismatch/route_top1_frac", "mismatch/route_set_frac")
+
+
+def run(model: Path, layout: str, nproc: int, out: Path) -> tuple[dict, dict, dict]:
+    torchrun("replay_worker.py", nproc, "--model", str(model), "--layout", layout, "--out", str(out))
+    return (json.loads((out / "stats.json").read_text()), load_file(str(out / "logprobs.safetensors")),
+            load_file(str(out / "stepped.safetensors")))
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return init_random_weights(TINY_MOE, tmp_path_factory.mktemp("r3") / "moe", seed=0)
+
+
+@pytest.fixture(scope="module")
+def single(moe, tmp_path_factory):
+    return run(moe, "megatron:d1", 1, tmp_path_factory.mktemp("r3d1"))
+
+
+def test_replay_makes_the_trainer_route_like_the_rollout(moe, single):
+    stats, lp, _ = single
+    layers = [k for k in stats["same_off"] if k.startswith("mismatch/route_set_frac/layer")]
+    assert len(layers) == json.loads((moe / "config.json").read_text())["num_hidden_layers"]  # one per MoE layer
+    for k in ROUTE_KEYS:  # the same weights route identically: positions and layers line up
+        assert stats["same_off"][k] == 0.0 and stats["same_on"][k] == 0.0
+    assert stats["foreign_off"]["mismatch/route_set_frac"] > 0.5  # perturbed routers pick other experts
+    assert stats["foreign_on"]["mismatch/route_set_frac"] == 0.0  # replayed: the rollout's experts, every token
+    assert all(stats["foreign_on"][k] == 0.0 for k in layers)
+    assert stats["train"]["mismatch/route_set_frac"] == 0.0  # the training forward replays as well
+    m = lp["mask"].bool()
+    assert (lp["same"] - lp["free"])[m].abs().max() < 1e-6  # replaying the trainer's own routes changes nothing
+    assert (lp["replayed"] - lp["free"])[m].abs().max() > 1e-3  # other experts, other logprobs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, nproc", [("megatron:d2e2", 2), ("megatron:p2", 2), ("megatron:t2", 2)],
+                         ids=["ep2-dp2", "pp2", "tp2"])
+def test_replay_parity(moe, single, tmp_path, layout, nproc):
+    (s1, lp1, w1), (s, lp, w) = single, run(moe, layout, nproc, tmp_path)
+    for case in ("same_off", "foreign_off", "foreign_on"):
+        assert s[case] == pytest.approx(s1[case], abs=1e-12), case
+    m = lp1["mask"].bool()
+    for k in ("free", "replayed"):
+        assert (lp[k] - lp1[k])[m].abs().max() < 1e-5, k
+    assert max((w[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
+    assert s["train"]["loss"] == pytest.approx(s1["train"]["loss"], abs=1e-6)
