@@ -48,6 +48,7 @@ class ModelRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_routed_experts: bool = False  # MoE: every forward's top-k experts (SGLang return_routed_experts)
     metadata: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,6 +63,9 @@ class ModelResponse:
     stop_reason: str = "length"  # stop | length | abort
     latency: float = 0.0
     num_interruptions: int = 0
+    # [len(input_tokens) + len(output_tokens) - 1, layers * top_k] int32: row t = the experts of the forward at
+    # position t (the one that sampled token t+1), from the weights that generated it (kept across interruptions)
+    routed_experts: Any = None
 
     @property
     def head_version(self) -> int:
@@ -81,7 +85,8 @@ class WeightUpdateMeta:
     bucket_bytes: int = 512 << 20
 
 
-PAD_VALUES = {"input_ids": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1, "attention_mask": 0}
+PAD_VALUES = {"input_ids": 0, "loss_mask": 0, "logprobs": 0.0, "versions": -1, "attention_mask": 0,
+              "routed_experts": -1}
 
 
 def concat_padded(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -101,6 +106,7 @@ def concat_padded(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.T
         ts = [it[k] for it in items]
         if ts[0].dim() >= 2:
             pad = PAD_VALUES.get(k, 0)
-            ts = [torch.nn.functional.pad(t, (0, max_len - t.shape[1]), value=pad) for t in ts]
+            # dim 1 is the sequence; trailing dims (routed_experts' experts) are not padded
+            ts = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, max_len - t.shape[1]), value=pad) for t in ts]
         out[k] = torch.cat(ts, dim=0)
     return out

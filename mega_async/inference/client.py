@@ -68,6 +68,31 @@ class _Server:
     dropped: Optional[str] = None  # why it was dropped for good (kept answering 5xx)
 
 
+def merge_routed_experts(held: Any, encoded: Optional[str], total_rows: int, start: int) -> Any:
+    """Append a response's `meta_info.routed_experts` (base64 int32 [rows, layers, top_k], SGLang's format) to
+    the rows held from earlier segments: rows [start, total_rows) are new. A server that ignored
+    routed_experts_start_len returns all `total_rows`; the held rows are kept either way."""
+    import base64
+
+    import numpy as np
+    import torch
+
+    if total_rows <= start:
+        return held  # nothing was forwarded in this segment
+    if not encoded:
+        raise ServerError("routed_experts were asked for but not returned: start the server with "
+                          "--enable-return-routed-experts")
+    flat = np.frombuffer(base64.b64decode(encoded), dtype=np.int32)
+    tail = total_rows - start
+    width = held.shape[1] if held is not None and held.shape[0] else (flat.size // tail if tail > 0 else 0)
+    rows = flat.size // width if width else 0
+    if width == 0 or rows * width != flat.size or rows not in (tail, total_rows):
+        raise ServerError(f"routed_experts holds {flat.size} ids: not rows of {width} for {tail} "
+                          f"(or {total_rows}) tokens")
+    new = torch.from_numpy(flat.reshape(rows, width)[rows - tail:].copy())
+    return new if held is None else torch.cat([held, new])
+
+
 class SGLangClient:
     def __init__(
         self,
@@ -235,6 +260,9 @@ class SGLangClient:
                     "return_logprob": True,
                     "rid": f"{req.rid}-{rounds}",
                 }
+                held = 0 if resp.routed_experts is None else int(resp.routed_experts.shape[0])
+                if req.return_routed_experts:  # rows already held keep the routes of the weights that made them
+                    payload.update(return_routed_experts=True, routed_experts_start_len=held)
                 out = await self._generate_once(req.rid, payload)
                 meta = out["meta_info"]
                 version = self._parse_version(meta.get("weight_version"))
@@ -245,6 +273,9 @@ class SGLangClient:
                 resp.output_tokens += toks
                 resp.output_logprobs += [float("-inf") if x[0] is None else float(x[0]) for x in lps]
                 resp.output_versions += [version] * len(toks)
+                if req.return_routed_experts:
+                    resp.routed_experts = merge_routed_experts(resp.routed_experts, meta.get("routed_experts"),
+                                                               len(payload["input_ids"]) + len(toks) - 1, held)
                 fr = meta.get("finish_reason") or {}
                 kind = fr.get("type") if isinstance(fr, dict) else str(fr)
                 if kind in ("stop", "length"):

@@ -52,6 +52,15 @@ def _first_free_gpu(cfg: RunConfig) -> Optional[int]:
     return int(local) if local else parse_allocation(cfg.parallel.allocation).train.world_size
 
 
+
+def _extra_args(cfg: Any) -> list[str]:
+    """inference.extra_args, plus SGLang's --enable-return-routed-experts when the run collects routes."""
+    args = list(cfg.inference.extra_args)
+    flag = "--enable-return-routed-experts"
+    if (cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay) and flag not in args:
+        args.append(flag)
+    return args
+
 class InferenceService:
     """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
 
@@ -90,7 +99,7 @@ class InferenceService:
         if not addresses:
             spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=api_key(cfg),
                               tp_size=tp, ep_size=ep,
-                              dtype=cfg.model.dtype, seed=cfg.seed, extra_args=inf.extra_args,
+                              dtype=cfg.model.dtype, seed=cfg.seed, extra_args=_extra_args(cfg),
                               weights_root=str(weights_root) if weights_root else None,
                               base_gpu_id=_first_free_gpu(cfg) if inf.backend == "sglang" else None,
                               num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))

@@ -64,7 +64,17 @@ def trajectory_from_response(prompt_ids: list[int], resp: ModelResponse, reward:
         "logprobs": torch.tensor([[0.0] * n_in + list(resp.output_logprobs)], dtype=torch.float32),
         "versions": torch.tensor([[-1] * n_in + list(resp.output_versions)], dtype=torch.long),
         "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+        **_routes(resp.routed_experts, len(seq)),
     }
+
+
+def _routes(rows: Any, length: int) -> dict[str, torch.Tensor]:
+    """{"routed_experts": [1, L, layers * top_k]} beside versions (-1 where no forward ran), or {} without routes."""
+    if rows is None:
+        return {}
+    out = torch.full((1, length, rows.shape[1]), -1, dtype=torch.int32)
+    out[0, :rows.shape[0]] = rows
+    return {"routed_experts": out}
 
 
 class RLVRWorkflow(RolloutWorkflow):
@@ -85,10 +95,12 @@ class RLVRWorkflow(RolloutWorkflow):
         top_k: int = -1,
         stop_token_ids: Optional[list[int]] = None,
         reward_timeout: float = 15.0,
+        return_routed_experts: bool = False,
     ):
         self.reward = RewardRunner(reward_fn, timeout=reward_timeout)
         self.tokenizer = tokenizer
-        self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             return_routed_experts=return_routed_experts)
         if stop_token_ids is None and tokenizer is not None and tokenizer.eos_token_id is not None:
             stop_token_ids = [tokenizer.eos_token_id]
         self.stop_token_ids = list(stop_token_ids or [])
@@ -133,6 +145,7 @@ class Trajectory:
         self.loss_mask = [0] * len(self.ids)
         self.logprobs = [0.0] * len(self.ids)
         self.versions = [-1] * len(self.ids)
+        self.routes: Any = None  # rows of earlier turns keep the routes they were generated with
 
     def add_context(self, ids: list[int]) -> None:
         self.ids += ids
@@ -149,6 +162,10 @@ class Trajectory:
         self.loss_mask += [1] * n
         self.logprobs += [float(x) for x in resp.output_logprobs]
         self.versions += [int(v) for v in resp.output_versions]
+        if resp.routed_experts is not None:
+            held = self.routes
+            self.routes = resp.routed_experts if held is None else torch.cat(
+                [held, resp.routed_experts[held.shape[0]:]])
 
     def tensors(self, reward: float) -> dict[str, torch.Tensor]:
         """The [1, L] trajectory dict."""
@@ -159,6 +176,7 @@ class Trajectory:
             "logprobs": torch.tensor([self.logprobs], dtype=torch.float32),
             "versions": torch.tensor([self.versions], dtype=torch.long),
             "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+            **_routes(self.routes, len(self.ids)),
         }
 
 
@@ -240,7 +258,8 @@ def make_workflow(cfg: Any, tokenizer: Any, reward_fn: Callable[..., Any]) -> Ro
     called as factory(cfg, tokenizer, reward_fn)."""
     r = cfg.rollout
     kw = dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-              reward_timeout=r.reward_timeout)
+              reward_timeout=r.reward_timeout,
+              return_routed_experts=r.return_routed_experts or cfg.algorithm.routing_replay)
     if r.workflow == "rlvr":
         return RLVRWorkflow(reward_fn, tokenizer, **kw)
     if r.workflow == "multi_turn":
