@@ -20,7 +20,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from mega_async.config import RunConfig, api_key, save_config
-from mega_async.data import gsm8k_items, load_rows, synthetic_items
+from mega_async.data import load_rows, synthetic_items
+from mega_async.evaluation import Evaluator
 from mega_async.inference.service import InferenceService
 from mega_async.metrics import Metrics, RewardTracker, prefixed
 from mega_async.rollout.executor import WorkflowExecutor
@@ -35,10 +36,11 @@ def build_dataset(cfg: RunConfig, vocab_size: int) -> list[dict[str, Any]]:
     d = cfg.data
     if d.name == "synthetic":
         return synthetic_items(1024, vocab_size, seed=cfg.seed, target=d.synthetic_target)
-    if d.name == "gsm8k":
-        if not d.path:
-            raise ValueError("data.name=gsm8k needs data.path (a GSM8K jsonl file or a directory with train.jsonl)")
-        return gsm8k_items(d.path, d.split)
+    if d.name == "gsm8k":  # a local file or directory, else the dataset name (datasets); eval rows held out
+        from mega_async.data.gsm8k import load_gsm8k
+
+        return load_gsm8k(d.path, d.split, eval_path=d.eval_path, eval_split=d.eval_split, chat=d.chat_template,
+                          eval_size=d.eval_size if cfg.trainer.eval_interval else 0).train
     return load_rows(d.path)  # type: ignore[arg-type]
 
 
@@ -137,6 +139,7 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
             ex = stack.enter_context(WorkflowExecutor.from_config(cfg.rollout, service.engine, workflow,
                                                                   should_accept=flt, version=version))
             rewards = RewardTracker(flt)
+            evaluator = Evaluator.from_config(cfg, service, reward_for(cfg))
         sync = make_sync(cfg, engine, version, service, ex if rank0 else None, ctrl)
         stack.callback(sync.close)
         for step in range(cfg.trainer.total_steps):
@@ -154,7 +157,8 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
                     "batch_reward_mean": batch_reward, "rollout_wait_s": round(t_rollout, 3),
                     "train_s": round(t_train, 3), "step_s": round(time.monotonic() - t0, 3),
                     **prefixed("train", train_stats), **sync_stats, **prefixed("executor", ex.stats),
-                    **prefixed("filter", flt.stats if flt else None)})
+                    **prefixed("filter", flt.stats if flt else None),
+                    **(evaluator.maybe_evaluate(step) if evaluator else {})})
                 logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs", step,
                             stat["reward_mean"], train_stats.get("loss", 0.0), train_stats.get("tokens", 0),
                             train_stats.get("grad_norm", 0.0), train_stats.get("staleness", 0.0), stat["step_s"])

@@ -6,8 +6,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-GSM8K_TEMPLATE = "Question: {question}\nAnswer step by step and finish with 'The answer is <number>'.\nAnswer:"
-
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a .jsonl or .parquet file (parquet needs pyarrow)."""
@@ -31,16 +29,11 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
-def gsm8k_items(path: str | Path, split: str = "train") -> list[dict[str, Any]]:
+def gsm8k_items(path: str | Path, split: str = "train", chat: bool = False) -> list[dict[str, Any]]:
     """GSM8K rows ({question, answer}) as items with a prompt; `path` is a file or a directory with <split>.jsonl."""
-    p = Path(path)
-    if p.is_dir():
-        p = next((p / f"{split}{ext}" for ext in (".jsonl", ".parquet") if (p / f"{split}{ext}").exists()), p / f"{split}.jsonl")
-    rows = load_rows(p)
-    for i, r in enumerate(rows):
-        if "question" not in r or "answer" not in r:
-            raise ValueError(f"{p}: row {i} lacks 'question'/'answer' (got {sorted(r)}); is this GSM8K?")
-    return [{"prompt": GSM8K_TEMPLATE.format(question=r["question"]), "answer": r["answer"]} for r in rows]
+    from mega_async.data.gsm8k import load_gsm8k
+
+    return load_gsm8k(str(path), split, chat=chat).train
 
 
 def synthetic_items(n: int, vocab_size: int, prompt_len: int = 8, seed: int = 0,
