@@ -1,0 +1,52 @@
+"""tools/bench_gpu.py and tools/gpu_check.sh on CPU: the parameter/flop arithmetic against a real model's
+count, the skip path without a GPU, and (slow) the --cpu-dry-run of every Python part."""
+import importlib.util
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_gpu", ROOT / "tools" / "bench_gpu.py")
+bench_gpu = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench_gpu)
+
+
+def test_param_count_matches_transformers_model():
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    c = dict(bench_gpu.TINY)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**c, tie_word_embeddings=False, mlp_only_layers=[]))
+    total = sum(p.numel() for p in model.parameters())
+    active, counted = bench_gpu.active_params(c)
+    assert counted == total
+    expert = 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    assert total - active == c["num_hidden_layers"] * (c["num_experts"] - c["num_experts_per_tok"]) * expert
+    a1b, t1b = bench_gpu.active_params(bench_gpu.MOE_1B)
+    assert 0.8e9 < a1b < 1.2e9 and t1b > 2 * a1b  # the GPU figure's model is ~1B active
+    assert bench_gpu.flops_per_token(c, 128) > 6 * active
+    del torch
+
+
+def test_gpu_check_without_gpu_skips_every_part_with_a_reason(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "GPU_CHECK_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.count("==== mega_async gpu_check") == 1 and "==== PASS ====" in out
+    for part in ("gpu-tests", "parity", "train-step", "server-gen"):
+        assert f"{part}" in out and "no CUDA device" in out
+    assert (tmp_path / "summary.txt").read_text() == out
+    bad = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
+
+
+@pytest.mark.slow  # two tiny runs: a Megatron train step and an embedded server on CPU (~1-2 min on 2 cores)
+def test_gpu_check_cpu_dry_run_runs_every_python_part(tmp_path):
+    r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "GPU_CHECK_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "train-step   ok" in r.stdout and '"tokens_per_s"' in r.stdout
+    assert "server-gen   ok" in r.stdout and "==== PASS ====" in r.stdout
