@@ -161,7 +161,8 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
                     **(evaluator.maybe_evaluate(step) if evaluator else {})})
                 logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs", step,
                             stat["reward_mean"], train_stats.get("loss", 0.0), train_stats.get("tokens", 0),
-                            train_stats.get("grad_norm", 0.0), train_stats.get("staleness", 0.0), stat["step_s"])
+                            train_stats.get("grad_norm", 0.0), train_stats.get("staleness", 0.0), stat["step_s"],
+                            extra={"progress_step": step})  # advances the console's progress bar
         save_hf_checkpoint(engine.models, cfg.run_dir / "final_hf", src_dir=cfg.model.path)
     destroy_parallel_state()
     return metrics.history if metrics is not None else []
