@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import re
+import socket
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -116,10 +117,15 @@ class AgentWorkflow(RolloutWorkflow):
         session = AgentSession(engine)
         runner = web.AppRunner(self._app(session), access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, self.host, 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        base_url = f"http://{self.host}:{port}/v1"
+        sock = socket.socket()
+        try:
+            sock.bind((self.host, 0))  # a free port of our own for this episode
+            await web.SockSite(runner, sock).start()
+        except BaseException:
+            sock.close()
+            await runner.cleanup()
+            raise
+        base_url = f"http://{self.host}:{sock.getsockname()[1]}/v1"
         try:
             result = await asyncio.wait_for(self._run_agent(base_url, data), self.episode_timeout)
         finally:
