@@ -3,7 +3,7 @@
 Each line is {"t": unix seconds, "kind": ..., **fields}. Kinds written by the run:
   episode_admitted / episode_finished (verdict accepted | rejected | failed)   rollout executor
   episode_interrupted / episode_resubmitted                                     inference client
-  sync_start / sync_end (phase: pause | push | continue | ...)                  weight sync
+  sync_start / sync_end (phase: push = the whole sync; prepare | pause | update | commit | continue)  sync
   train_step_start / train_step_end (step, rank)                                trainer ranks
 An `EventLog` is a handle passed to whoever emits (no module-level log); every rank may append to the
 same file: each event is one O_APPEND write, so lines never interleave.
@@ -175,7 +175,8 @@ def draw_timeline(events_path: str | os.PathLike, out_png: str | os.PathLike) ->
     for j, p in enumerate(phases):
         bars = [(rel(s["start"]), s["end"] - s["start"]) for s in syncs if s.get("phase", "sync") == p]
         ax_l.broken_barh(bars, (len(ranks) + j - 0.4, 0.8), color=colors(3 + j % 7))
-    for s in syncs:
+    whole = [s for s in syncs if s.get("phase") == "push"] or syncs  # shade each whole sync once
+    for s in whole:
         for ax in (ax_r, ax_l):
             ax.axvspan(rel(s["start"]), rel(s["end"]), color="tab:orange", alpha=0.12, lw=0)
     ax_l.set_yticks(range(len(lanes)), lanes, fontsize=8)
@@ -187,3 +188,9 @@ def draw_timeline(events_path: str | os.PathLike, out_png: str | os.PathLike) ->
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+def draw_run_timeline(run_dir: str | os.PathLike) -> Optional[Path]:
+    """<run_dir>/timeline.png from <run_dir>/events.jsonl (None when the run recorded no events)."""
+    run_dir = Path(run_dir)
+    return draw_timeline(run_dir / "events.jsonl", run_dir / "timeline.png")

@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from mega_async.events import EventLog, NullEventLog, draw_timeline, in_flight, read_events, spans
+from mega_async.events import (EventLog, NullEventLog, draw_run_timeline, draw_timeline, in_flight, read_events,
+                               spans)
 
 WRITER = """
 import sys
@@ -78,7 +79,8 @@ def test_draw_timeline_lanes(tmp_path):
     lines += [(t + 2.5, "episode_interrupted", {}), (t + 2.6, "episode_resubmitted", {})]
     for r in (0, 1):
         lines += [(t + 4, "train_step_start", {"rank": r, "step": 0}), (t + 6, "train_step_end", {"rank": r, "step": 0})]
-    lines += [(t + 6.1, "sync_start", {"phase": "push"}), (t + 7.0, "sync_end", {"phase": "push"})]
+    lines += [(t + 6.1, "sync_start", {"phase": "push"}), (t + 6.2, "sync_start", {"phase": "update"}),
+              (t + 6.9, "sync_end", {"phase": "update"}), (t + 7.0, "sync_end", {"phase": "push"})]
     import json
 
     path.write_text("".join(json.dumps({"t": ts, "kind": k, **f}) + "\n" for ts, k, f in lines))
@@ -88,3 +90,4 @@ def test_draw_timeline_lanes(tmp_path):
     green = ((img[..., 1] > 0.45) & (img[..., 0] < 0.3) & (img[..., 2] < 0.3)).sum()
     assert green > 2000  # the two training lanes are drawn
     assert draw_timeline(tmp_path / "missing.jsonl", tmp_path / "none.png") is None
+    assert draw_run_timeline(tmp_path) == tmp_path / "timeline.png" and (tmp_path / "timeline.png").stat().st_size > 0
