@@ -38,7 +38,7 @@ _NEUTRAL = {"model": None, "n": 1, "stream": False, "seed": None, "user": None, 
             "top_logprobs": None, "logit_bias": None, "stream_options": None}
 _USED = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "stop_token_ids",
          "tools", "logprobs", "chat_template_kwargs", "return_token_ids", "return_prompt_token_ids",
-         "return_meta_info", "ignore_eos", "skip_special_tokens", "rid"}
+         "return_meta_info", "ignore_eos", "skip_special_tokens", "rid", "return_routed_experts"}
 
 
 class BadRequest(ValueError):
@@ -101,12 +101,13 @@ class AgentWorkflow(RolloutWorkflow):
     def __init__(self, agent: Callable[..., Any], tokenizer: Any, *, reward_fn: Optional[Callable[..., Any]] = None,
                  max_new_tokens: int = 256, temperature: float = 1.0, top_p: float = 1.0, top_k: int = -1,
                  max_completions: int = 32, max_context: Optional[int] = None, episode_timeout: float = 600.0,
-                 reward_timeout: float = 15.0, host: str = "127.0.0.1"):
+                 reward_timeout: float = 15.0, host: str = "127.0.0.1", return_routed_experts: bool = False):
         if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
             raise ValueError("AgentWorkflow needs the model card's tokenizer with a chat template")
         self.agent, self.tokenizer = agent, tokenizer
         self.reward = RewardRunner(reward_fn, timeout=reward_timeout) if reward_fn is not None else None
-        self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k)
+        self.sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                             return_routed_experts=return_routed_experts)  # routes for routing replay (R3)
         self.max_completions, self.max_context = max_completions, max_context
         self.episode_timeout, self.host = episode_timeout, host
         stops = [tokenizer.eos_token_id, chat.end_of_turn_id(tokenizer)]
