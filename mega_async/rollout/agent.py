@@ -263,6 +263,7 @@ class AgentWorkflow(RolloutWorkflow):
             raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {n} exceed the model's context {self.max_context}")
         sampling = {k: body[k] if body.get(k) is not None else v for k, v in self.sampling.items()
                     if k != "max_new_tokens"}
+        sampling["return_routed_experts"] = bool(self.sampling["return_routed_experts"] or body.get("return_routed_experts"))
         stops = sorted(set(self.stop_token_ids) | {int(s) for s in body.get("stop_token_ids") or []})
         req = ModelRequest(input_ids=ids, max_new_tokens=n, stop_token_ids=stops,
                            ignore_eos=bool(body.get("ignore_eos", False)), **sampling)
