@@ -98,8 +98,8 @@ def network_isolation() -> tuple[str, ...]:
 class CodeReward:
     """`await CodeReward()(prompt, completion, tests=[...])` -> fraction of tests passed, see the module doc."""
 
-    def __init__(self, timeout: float = 5.0, memory_mb: int = 512, cpu_seconds: int = 5, max_output_bytes: int = 1 << 16,
-                 max_concurrent: Optional[int] = None, isolate_network: bool = True):
+    def __init__(self, timeout: float = 5.0, memory_mb: int = 512, cpu_seconds: int = 5,
+                 max_output_bytes: int = 1 << 16, max_concurrent: Optional[int] = None, isolate_network: bool = True):
         self.timeout, self.memory_mb, self.cpu_seconds = timeout, memory_mb, cpu_seconds
         self.max_output_bytes = max_output_bytes
         self.max_concurrent = max_concurrent or max(1, os.cpu_count() or 1)

@@ -244,8 +244,8 @@ class AgentWorkflow(RolloutWorkflow):
         off = sorted(k for k, v in body.items() if k in _NEUTRAL and v != _NEUTRAL[k] and k != "model"
                      and not (k == "tool_choice" and v in ("auto", "none")))
         if unknown or off:
-            raise BadRequest(f"unsupported field(s) {', '.join(unknown + off)}: this endpoint serves n=1, non-streaming "
-                             "chat completions (stop strings: use stop_token_ids)")
+            raise BadRequest(f"unsupported field(s) {', '.join(unknown + off)}: this endpoint serves n=1, "
+                             "non-streaming chat completions (stop strings: use stop_token_ids)")
         if len(session.completions) >= self.max_completions:
             raise BadRequest(f"the episode used its {self.max_completions} completions (max_completions)")
         tpl = dict(body.get("chat_template_kwargs") or {})
@@ -263,7 +263,8 @@ class AgentWorkflow(RolloutWorkflow):
             raise BadRequest(f"{len(ids)} prompt tokens + max_tokens {n} exceed the model's context {self.max_context}")
         sampling = {k: body[k] if body.get(k) is not None else v for k, v in self.sampling.items()
                     if k != "max_new_tokens"}
-        sampling["return_routed_experts"] = bool(self.sampling["return_routed_experts"] or body.get("return_routed_experts"))
+        routes = self.sampling["return_routed_experts"] or body.get("return_routed_experts")
+        sampling["return_routed_experts"] = bool(routes)
         stops = sorted(set(self.stop_token_ids) | {int(s) for s in body.get("stop_token_ids") or []})
         req = ModelRequest(input_ids=ids, max_new_tokens=n, stop_token_ids=stops,
                            ignore_eos=bool(body.get("ignore_eos", False)), **sampling)
