@@ -146,19 +146,25 @@ def decoupled_ppo_loss(
         pg = torch.where(adv < 0, torch.minimum(pg, pg3), pg)
     per_token = torch.where(keep, w * pg, torch.zeros_like(pg))
     loss = per_token.sum() / denom
-    with torch.no_grad():
-        nf = n.clamp(min=1).float()
-        stats = {
-            "n_tokens": n.float(),
-            "clip_frac": clip_mask.sum() / nf,
-            "dual_clip_frac": dual_mask.sum() / nf,
-            "imp_weight_capped_frac": (mask & ~keep).sum() / nf,
-            "behav_imp_weight_mean": w.sum() / keep.sum().clamp(min=1),
-            "behav_imp_weight_max": w.max() if w.numel() else w.new_zeros(()),
-            "ratio_mean": (ratio * keep).sum() / keep.sum().clamp(min=1),
-            "approx_kl": torch.where(ok, prox - logprobs.detach(), torch.zeros_like(prox)).sum() / nf,
-        }
-    return loss, stats
+    return loss, _stats(n, mask, keep, w, ratio, clip_mask, dual_mask, ok, prox, logprobs)
+
+
+@torch.no_grad()
+def _stats(n: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, w: torch.Tensor, ratio: torch.Tensor,
+           clip_mask: torch.Tensor, dual_mask: torch.Tensor, ok: torch.Tensor, prox: torch.Tensor,
+           logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Diagnostics of one loss call, as fractions of the `mask` tokens (weights over the kept ones)."""
+    nf = n.clamp(min=1).float()
+    return {
+        "n_tokens": n.float(),
+        "clip_frac": clip_mask.sum() / nf,
+        "dual_clip_frac": dual_mask.sum() / nf,
+        "imp_weight_capped_frac": (mask & ~keep).sum() / nf,
+        "behav_imp_weight_mean": w.sum() / keep.sum().clamp(min=1),
+        "behav_imp_weight_max": w.max() if w.numel() else w.new_zeros(()),
+        "ratio_mean": (ratio * keep).sum() / keep.sum().clamp(min=1),
+        "approx_kl": torch.where(ok, prox - logprobs.detach(), torch.zeros_like(prox)).sum() / nf,
+    }
 
 
 def approximate_proximal_logprobs(
