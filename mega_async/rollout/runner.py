@@ -37,6 +37,7 @@ class AsyncTaskRunner:
         self._wake: asyncio.Event | None = None
         self._thread: threading.Thread | None = None
         self._loop_thread_id: Optional[int] = None
+        self._loop_running = False  # cleared when the loop thread ends (cheaper than Thread.is_alive per call)
         self._wake_scheduled = False  # a cross-thread wake is queued: later ones coalesce into it
         self._started = threading.Event()
         self._stopping = False
@@ -66,6 +67,7 @@ class AsyncTaskRunner:
         loop = asyncio.new_event_loop()
         self._loop = loop
         self._loop_thread_id = threading.get_ident()
+        self._loop_running = True
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._main())
@@ -78,6 +80,7 @@ class AsyncTaskRunner:
             if self._tasks:
                 loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
             loop.close()
+            self._loop_running = False
 
     async def _main(self) -> None:
         self._wake = asyncio.Event()
@@ -129,7 +132,7 @@ class AsyncTaskRunner:
     def check(self) -> None:
         if self.error is not None:
             raise RunnerError(f"{self._name} runner failed: {self.error!r}") from self.error
-        if self._thread is None or not self._thread.is_alive():
+        if self._thread is None or not self._loop_running:
             raise RunnerError(f"{self._name} runner is not running (call start() first)")
 
     def submit(self, task_id: int, factory: TaskFactory, on_done: DoneFn, wake: bool = True) -> None:
