@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("init-weights", help="write deterministic random-init weights for a model card",
                    add_help=False)
     sub.add_parser("convert", help="HF <-> Megatron checkpoints (see mega-async convert -h)", add_help=False)
+    sub.add_parser("launch", help="render and submit a Slurm job (see mega-async launch slurm -h)", add_help=False)
     sub.add_parser("bench", help="nightly throughput benchmark with a regression gate (see mega-async bench -h)",
                    add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -135,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         from mega_async.bench import main as bench
 
         return bench(argv[1:])
+    if argv[:1] == ["launch"]:
+        from mega_async.launcher.slurm import main as launch
+
+        return launch(argv[1:])
     if argv[:1] == ["convert"]:
         from mega_async.convert import main as convert
 

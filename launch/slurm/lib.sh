@@ -1,0 +1,148 @@
+# Shell helpers of the mega_async sbatch job (sourced by job.sbatch): components started as srun steps,
+# each logging under $RUN_DIR/logs; the first to exit ends the job (no allocation left running), its
+# name and last error written to the driver's log; SIGUSR1 (pre-emption) goes to the driver, SIGTERM
+# stops everything.
+# shellcheck shell=bash
+
+declare -A MA_PID=() MA_LOG=() MA_NODE=()
+MA_PREEMPTED=0
+MA_STOPPING=0
+
+ma_log() { echo "$(date '+%F %T') mega-async launch: $*" | tee -a "$RUN_DIR/logs/job.log" >&2; }
+
+# the address other nodes reach a node at: its Slurm NodeAddr (falls back to the node name)
+ma_node_addr() {
+  local a
+  a=$(scontrol show node "$1" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n1 | cut -d= -f2)
+  echo "${a:-$1}"
+}
+
+ma_free_port() {  # a free TCP port on node $1 (asked on that node)
+  srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" "$PYTHON" -c \
+    'from mega_async.comm import free_port; print(free_port("0.0.0.0"))'
+}
+
+ma_init() {
+  mkdir -p "$RUN_DIR/logs/addresses"
+  rm -f "$RUN_DIR"/logs/addresses/*
+  mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+  trap ma_on_usr1 USR1
+  trap ma_on_term TERM INT
+  ma_log "job $SLURM_JOB_ID on ${NODES[*]} (restart ${SLURM_RESTART_COUNT:-0}); logs in $RUN_DIR/logs"
+}
+
+# ma_start NAME LOG NODE SRUN_ARGS... -- CMD...: one srun step in the background
+ma_start() {
+  local name=$1 log=$2 node=$3; shift 3
+  local srun_args=()
+  while [ "$1" != "--" ]; do srun_args+=("$1"); shift; done
+  shift
+  srun --overlap --kill-on-bad-exit=1 "${srun_args[@]}" "$@" >>"$log" 2>&1 &
+  MA_PID[$name]=$!
+  MA_LOG[$name]=$log
+  MA_NODE[$name]=$node
+  ma_log "started $name on $node (srun pid ${MA_PID[$name]}, log ${log#"$RUN_DIR"/})"
+}
+
+ma_alive() { kill -0 "${MA_PID[$1]}" 2>/dev/null; }
+
+ma_last_error() {  # the last line of a log that looks like an error, else its last line
+  local line
+  line=$(grep -E 'Error|error|Traceback|Killed|exited|failed|FAILED' "$1" 2>/dev/null | grep -v 'mega-async launch:' | tail -n1)
+  [ -n "$line" ] || line=$(grep -v '^\s*$' "$1" 2>/dev/null | tail -n1)
+  echo "${line:-<empty log>}"
+}
+
+# wait until every server wrote its address and answers /health; a server that exits first fails the job
+ma_wait_servers() {
+  local n=$1 timeout=$2 t0=$SECONDS i addr
+  ADDRESSES=()
+  for ((i = 0; i < n; i++)); do
+    while :; do
+      ma_alive "server$i" || ma_fail "server$i" "exited before it became healthy"
+      if [ -s "$RUN_DIR/logs/addresses/server$i" ]; then
+        addr=$(cat "$RUN_DIR/logs/addresses/server$i")
+        if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(f"http://{sys.argv[1]}/health", timeout=2)' \
+            "$addr" 2>/dev/null; then
+          break
+        fi
+      fi
+      ((SECONDS - t0 < timeout)) || ma_fail "server$i" "not healthy after ${timeout}s"
+      sleep 1
+    done
+    ADDRESSES+=("$addr")
+    ma_log "server$i healthy at $addr"
+  done
+}
+
+ma_stop_all() {  # SIGTERM to every component still running, SIGKILL after a grace period
+  local grace=${1:-60} name t0=$SECONDS
+  MA_STOPPING=1
+  for name in "${!MA_PID[@]}"; do ma_alive "$name" && kill -TERM "${MA_PID[$name]}" 2>/dev/null; done
+  for name in "${!MA_PID[@]}"; do
+    while ma_alive "$name" && ((SECONDS - t0 < grace)); do sleep 1; done
+    if ma_alive "$name"; then
+      ma_log "$name did not stop within ${grace}s: killed"
+      kill -KILL "${MA_PID[$name]}" 2>/dev/null
+    fi
+    wait "${MA_PID[$name]}" 2>/dev/null
+  done
+}
+
+# a component failed: say which and why in the driver's log and the job log, stop the rest, end the job
+ma_fail() {
+  local name=$1 why=$2
+  local msg="component $name on ${MA_NODE[$name]:-?} $why; last error in ${MA_LOG[$name]#"$RUN_DIR"/}: $(ma_last_error "${MA_LOG[$name]}")"
+  ma_log "$msg"
+  echo "$(date '+%F %T') mega-async launch: $msg" >>"$RUN_DIR/logs/driver.log"
+  ma_stop_all 60
+  ma_log "job failed: $name"
+  exit 1
+}
+
+ma_on_usr1() {
+  MA_PREEMPTED=1
+  ma_log "pre-emption signal (SIGUSR1): the driver checkpoints and stops"
+  ma_alive trainer && kill -USR1 "${MA_PID[trainer]}"
+}
+
+ma_on_term() {
+  ((MA_STOPPING)) && return
+  ma_log "SIGTERM/SIGINT: stopping every component"
+  ma_stop_all 30
+  exit 143
+}
+
+# wait for the first component to exit and end the job accordingly
+ma_supervise() {
+  local pid rc name done_name
+  while :; do
+    pid=""
+    wait -n -p pid "${MA_PID[@]}"
+    rc=$?
+    [ -n "$pid" ] || continue  # a trapped signal interrupted the wait
+    done_name=""
+    for name in "${!MA_PID[@]}"; do [ "${MA_PID[$name]}" = "$pid" ] && done_name=$name; done
+    [ -n "$done_name" ] || continue
+    if [ "$done_name" != trainer ]; then
+      ma_fail "$done_name" "exited with code $rc"
+    fi
+    unset "MA_PID[trainer]"
+    if ((rc != 0)); then
+      MA_LOG[trainer]=$RUN_DIR/logs/driver.log
+      ma_log "trainer exited with code $rc; last error in logs/driver.log: $(ma_last_error "$RUN_DIR/logs/driver.log")"
+      ma_stop_all 60
+      exit "$rc"
+    fi
+    ma_stop_all 60
+    if ((MA_PREEMPTED)) && ((REQUEUE)); then
+      ma_log "pre-empted: driver checkpointed; requeueing job $SLURM_JOB_ID (it resumes with trainer.resume=auto)"
+      scontrol requeue "$SLURM_JOB_ID"
+    elif ((MA_PREEMPTED)); then
+      ma_log "pre-empted: driver checkpointed and stopped (no --requeue)"
+    else
+      ma_log "training finished"
+    fi
+    exit 0
+  done
+}

@@ -1,0 +1,111 @@
+"""The sbatch script of a job: launch/slurm/job.sbatch with the plan's header, variables and steps filled
+in. Values are shell-quoted; nothing secret is written (the API key is read from its variable at run time)."""
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from mega_async.config import RunConfig
+from mega_async.inference.launch import ServerSpec, server_command
+from mega_async.launcher.plan import JobPlan
+
+LAUNCH_DIR = Path(__file__).resolve().parents[2] / "launch" / "slurm"
+
+
+def _q(v: object) -> str:
+    return shlex.quote(str(v))
+
+
+def sbatch_header(plan: JobPlan, cfg: RunConfig, run_dir: Path, *, partition: Optional[str], time: Optional[str],
+                  requeue: bool, job_name: str) -> list[str]:
+    h = [f"--job-name={job_name}", f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.gpus_per_node}",
+         f"--output={run_dir}/logs/slurm-%j.out", f"--signal=B:USR1@{cfg.launch.preempt_signal_s}",
+         "--requeue" if requeue else "--no-requeue"]
+    if plan.gpu:  # CPU-only runs (the embedded backend) ask for no GPUs: no --gres, no exclusive nodes
+        h += [f"--gpus-per-node={plan.gpus_per_node}", "--exclusive"]
+    if partition:
+        h.append(f"--partition={partition}")
+    if time:
+        h.append(f"--time={time}")
+    return [f"#SBATCH {x}" for x in h]
+
+
+def server_argv(plan: JobPlan, cfg: RunConfig, index: int, run_dir: Path) -> list[str]:
+    """Server `index`'s command with __HOST__/__PORT__ (and multi-node) placeholders for server.sh."""
+    s = plan.servers[index]
+    embedded = plan.backend == "embedded"
+    key = os.environ.get(cfg.inference.api_key_env) if getattr(cfg.inference, "api_key_env", None) else None
+    spec = ServerSpec(plan.backend, str(Path(cfg.model.path).resolve()), num_servers=len(plan.servers), host="__HOST__",
+                      tp_size=s.gpus, ep_size=s.ep, dtype=cfg.model.dtype, seed=cfg.seed,
+                      api_key="__API_KEY__" if key else None, extra_args=[] if embedded else list(cfg.inference.extra_args),
+                      weights_root=str(run_dir / "weights") if embedded else None,
+                      dp_size=s.dp_attention, enable_dp_attention=s.dp_attention > 1,
+                      num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None)
+    cmd = server_command(spec, "__PORT__", index)  # type: ignore[arg-type]
+    if s.base_gpu and plan.gpu:
+        cmd += ["--base-gpu-id", str(s.base_gpu)]
+    if len(s.nodes) > 1:
+        cmd += ["--nnodes", str(len(s.nodes)), "--node-rank", "__NODE_RANK__", "--dist-init-addr", "__DIST_INIT__"]
+    return cmd
+
+
+def _server_lines(plan: JobPlan, cfg: RunConfig, run_dir: Path) -> list[str]:
+    out = []
+    for s in plan.servers:
+        first, k = s.nodes[0], len(s.nodes)
+        env = [f"MA_INDEX={s.index}", "MA_API_KEY_ENV=" + _q(getattr(cfg.inference, "api_key_env", "") or "")]
+        if k > 1:
+            out.append(f'DIST_INIT{s.index}="$(ma_node_addr "${{NODES[{first}]}}"):$(ma_free_port "${{NODES[{first}]}}")"')
+            env.append(f'MA_DIST_INIT="$DIST_INIT{s.index}"')
+        nodelist = f'"$(IFS=,; echo "${{NODES[*]:{first}:{k}}}")"'
+        argv = " ".join(_q(a) for a in server_argv(plan, cfg, s.index, run_dir))
+        out.append(f'ma_start server{s.index} "$RUN_DIR/logs/server{s.index}.log" "${{NODES[{first}]}}" '
+                   f'--nodes={k} --ntasks={k} --ntasks-per-node=1 --nodelist={nodelist} -- \\\n'
+                   f'  env {" ".join(env)} bash "$LAUNCH_DIR/server.sh" {argv}')
+    return out
+
+
+def _router_lines(plan: JobPlan) -> list[str]:
+    if not plan.router:
+        return []
+    first = plan.servers[0].nodes[0]
+    return [
+        f'ROUTER_NODE=${{NODES[{first}]}}',
+        'ROUTER_ADDR="$(ma_node_addr "$ROUTER_NODE")"; ROUTER_PORT="$(ma_free_port "$ROUTER_NODE")"',
+        'WORKER_URLS=(); for a in "${ADDRESSES[@]}"; do WORKER_URLS+=("http://$a"); done',
+        'ma_start router "$RUN_DIR/logs/router.log" "$ROUTER_NODE" --nodes=1 --ntasks=1 --nodelist="$ROUTER_NODE" -- \\',
+        '  "$PYTHON" -m sglang_router.launch_router --host "$ROUTER_ADDR" --port "$ROUTER_PORT" --worker-urls "${WORKER_URLS[@]}"',
+        'echo "$ROUTER_ADDR:$ROUTER_PORT" >"$RUN_DIR/logs/addresses/router"',
+        'ma_log "sglang_router at $ROUTER_ADDR:$ROUTER_PORT in front of ${#ADDRESSES[@]} servers"',
+    ]
+
+
+def render_job(plan: JobPlan, cfg: RunConfig, train_args: Sequence[str], *, workdir: Path, partition: Optional[str],
+               time: Optional[str], requeue: bool, template: Optional[Path] = None) -> str:
+    """The complete sbatch script for `plan` (train_args: `-c CONFIG` and the user's overrides)."""
+    run_dir = (workdir / cfg.run_dir).resolve()
+    job_name = f"{cfg.experiment_name}-{cfg.trial_name}"
+    variables = {
+        "WORKDIR": workdir.resolve(), "RUN_DIR": run_dir, "LAUNCH_DIR": LAUNCH_DIR,
+        "PYTHON": os.environ.get("MEGA_ASYNC_PYTHON", sys.executable), "NUM_SERVERS": len(plan.servers),
+        "STARTUP_TIMEOUT": int(cfg.launch.startup_timeout), "REQUEUE": int(requeue),
+        "TRAINER_FIRST_NODE": plan.trainer_nodes[0], "TRAINER_NODES": len(plan.trainer_nodes),
+        "TRAINER_RANKS": plan.trainer_world, "TRAINER_TASKS_PER_NODE": plan.trainer_tasks_per_node,
+    }
+    var_lines = [f"{k}={_q(v)}" for k, v in variables.items()]
+    var_lines.append("TRAIN_ARGS=(" + " ".join(_q(a) for a in train_args) + ")")
+    text = (template or LAUNCH_DIR / "job.sbatch").read_text()
+    parts = {
+        "SBATCH": "\n".join(sbatch_header(plan, cfg, run_dir, partition=partition, time=time, requeue=requeue,
+                                          job_name=job_name)),
+        "PLAN": "\n".join(f"#   {line}" for line in plan.describe()),
+        "VARS": "\n".join(var_lines),
+        "SERVERS": "\n".join(_server_lines(plan, cfg, run_dir)),
+        "ROUTER": "\n".join(_router_lines(plan)),
+    }
+    for k, v in parts.items():
+        text = text.replace("{{" + k + "}}", v)
+    return text

@@ -1,0 +1,114 @@
+"""`mega-async launch slurm -c CONFIG --nodes N --gpus-per-node G [--partition P] [--time T] [--requeue]
+[--dry-run] [overrides]`: validate the split, render one sbatch job, print it (--dry-run) or submit it."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from mega_async.allocation import AllocationError, parse_allocation
+from mega_async.config import ConfigError, RunConfig, TrainerConfig, load_config
+from mega_async.launcher.plan import JobPlan, LaunchError, plan_job
+from mega_async.launcher.render import render_job
+
+logger = logging.getLogger("mega_async.launcher.slurm")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mega-async launch slurm", description=__doc__)
+    p.add_argument("--config", "-c", required=True, help="YAML run config (see configs/)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: launch.nodes)")
+    p.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node (default: launch.gpus_per_node); CPU runs: trainer ranks + servers per node")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--time", default=None, help="Slurm time limit, e.g. 04:00:00")
+    p.add_argument("--requeue", action="store_true",
+                   help="after pre-emption the job requeues itself and resumes (trainer.resume=auto)")
+    p.add_argument("--dry-run", action="store_true", help="validate and print the sbatch script; submit nothing")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, passed to the training run too")
+    return p
+
+
+def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan, str]:
+    """Config, plan and script text; raises ConfigError/LaunchError in one line when something does not fit."""
+    cfg = load_config(args.config, args.overrides)
+    launch = dataclasses.replace(cfg.launch, **{k: v for k, v in (("nodes", args.nodes),
+                                 ("gpus_per_node", args.gpus_per_node), ("partition", args.partition),
+                                 ("time", args.time)) if v is not None})
+    cfg.launch = launch
+    if launch.nodes is None or launch.gpus_per_node is None:
+        raise LaunchError("how many nodes and GPUs: pass --nodes and --gpus-per-node (or set launch.nodes and "
+                          "launch.gpus_per_node in the config)")
+    if cfg.inference.backend == "simulated":
+        raise LaunchError("inference.backend=simulated has no servers to train with; use embedded (CPU) or sglang")
+    if cfg.inference.addresses:
+        raise LaunchError("inference.addresses is set: the job starts its own servers; remove it")
+    if args.requeue and "resume" not in {f.name for f in dataclasses.fields(TrainerConfig)}:
+        raise LaunchError("--requeue resumes through trainer.resume, which this version does not have yet; "
+                          "submit without --requeue (a pre-empted job then checkpoints and stops)")
+    alloc = parse_allocation(cfg.parallel.allocation)
+    model = Path(cfg.model.path)
+    if not (model / "config.json").exists():
+        raise LaunchError(f"model.path={cfg.model.path} has no config.json; pass an HF model directory")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(model)
+    dtype = "bfloat16" if cfg.inference.backend == "sglang" and cfg.model.dtype == "float32" else cfg.model.dtype
+    plan = plan_job(alloc, launch.nodes, launch.gpus_per_node, backend=cfg.inference.backend, hf_config=hf,
+                    dtype=dtype, gpu_memory_gib=launch.gpu_memory_gib)
+    train_args = ["-c", str(Path(args.config).resolve()), *args.overrides]
+    script = render_job(plan, cfg, train_args, workdir=workdir, partition=launch.partition, time=launch.time,
+                        requeue=args.requeue)
+    return cfg, plan, script
+
+
+def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
+    """Write `<run_dir>/slurm/job.sbatch` and sbatch it; returns (job id, script path)."""
+    from mega_async.model_cards import has_weights, init_random_weights
+
+    run_dir = (workdir / cfg.run_dir).resolve()
+    if not has_weights(cfg.model.path):
+        if cfg.inference.backend == "sglang":
+            raise LaunchError(f"model.path={cfg.model.path} has a config but no weights: download the checkpoint "
+                              "there (e.g. huggingface-cli download <repo> --local-dir <model.path>)")
+        init_random_weights(cfg.model.path, seed=cfg.seed)  # the tiny CPU cards: what the driver would do
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "slurm" / "job.sbatch"
+    path.write_text(script)
+    try:
+        r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, cwd=workdir,
+                           timeout=120)
+    except FileNotFoundError:
+        raise LaunchError("sbatch not found: run this on a Slurm login node (or --dry-run to see the script)") from None
+    if r.returncode != 0:
+        raise LaunchError(f"sbatch refused the job: {(r.stderr or r.stdout).strip().splitlines()[-1:] or ['?']}"[:400])
+    return r.stdout.strip().split(";")[0], path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["slurm"]:
+        print("usage: mega-async launch slurm -c CONFIG --nodes N --gpus-per-node G [--dry-run] [overrides]",
+              file=sys.stderr)
+        return 2
+    args = parser().parse_args(argv[1:])
+    workdir = Path.cwd()
+    try:
+        cfg, plan, script = prepare(args, workdir)
+        if args.dry_run:
+            print(script, end="")
+            return 0
+        job, path = submit(cfg, script, workdir)
+    except (ConfigError, AllocationError, LaunchError, FileNotFoundError) as e:
+        print(f"mega-async launch slurm: {e}", file=sys.stderr)
+        return 2
+    run_dir = (workdir / cfg.run_dir).resolve()
+    print("\n".join(plan.describe()))
+    print(f"submitted job {job}: {path}\nlogs: {run_dir / 'logs'} (job.log: the job's own steps; driver.log: "
+          f"the driver; server<i>.log; slurm-{job}.out)")
+    return 0
