@@ -305,10 +305,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bench_gate.save_json(result, a.out)
             print(f"result: {a.out}")
         baseline_path = Path(a.baseline or bench_gate.default_baseline(result))
-        if a.update_baseline:
-            bench_gate.save_json(result, baseline_path)
-            print(f"baseline written: {baseline_path}")
-            baseline = result
+        if a.update_baseline:  # scenarios not run this time keep their old baseline
+            old = bench_gate.load_json(baseline_path, "baseline") if baseline_path.exists() else {"scenarios": {}}
+            baseline = {**result, "scenarios": {**old["scenarios"], **result["scenarios"]}}
+            bench_gate.save_json(baseline, baseline_path)
+            print(f"baseline written: {baseline_path} (scenarios {', '.join(result['scenarios'])} refreshed)")
         else:
             baseline = bench_gate.load_json(baseline_path, "baseline") if baseline_path.exists() else None
         verdicts = bench_gate.compare(result, baseline, noise_k=a.noise_k)
