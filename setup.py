@@ -34,7 +34,8 @@ setup(
     extras_require={
         # GPU-only packages: imported lazily, never needed on the CPU path.
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang", "sglang-router"],
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40"],
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
+                 "pyarrow>=14"],  # pyarrow: the GSM8K parquet path
         "agent": ["openai>=1.40"],  # agents of AgentWorkflow (mega_async.rollout.agent) use the openai client
     },
     entry_points={"console_scripts": ["mega-async=mega_async.cli:main"]},
