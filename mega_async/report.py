@@ -49,11 +49,25 @@ def _rate(history: Sequence[dict], value: Any) -> Optional[float]:
     return None
 
 
+def segments(history: Sequence[dict]) -> list[list[dict]]:
+    """A resumed run appends to the same metrics.jsonl with its clock restarted: one list per process."""
+    out: list[list[dict]] = []
+    for h in history:
+        if not out or h.get("elapsed_s", 0.0) < out[-1][-1].get("elapsed_s", 0.0):
+            out.append([])
+        out[-1].append(h)
+    return out
+
+
 def staleness_histogram(history: Sequence[dict]) -> dict[int, int]:
-    """Realized staleness of the consumed groups: version at consumption minus admission version -> count."""
-    last = history[-1] if history else {}
-    return {int(k[len(STALENESS_PREFIX):]): int(v) for k, v in sorted(last.items(), key=lambda kv: kv[0])
-            if k.startswith(STALENESS_PREFIX)}
+    """Realized staleness of the consumed groups: version at consumption minus admission version -> count
+    (the executor's counters restart with a resumed process: summed over processes)."""
+    out: dict[int, int] = {}
+    for seg in segments(history):
+        for k, v in seg[-1].items():
+            if k.startswith(STALENESS_PREFIX):
+                out[int(k[len(STALENESS_PREFIX):])] = out.get(int(k[len(STALENESS_PREFIX):]), 0) + int(v)
+    return dict(sorted(out.items()))
 
 
 def time_to_reward(history: Sequence[dict], threshold: float, key: str = "reward_mean") -> Optional[float]:
@@ -75,15 +89,18 @@ def summarize(history: Sequence[dict], reward_threshold: float = 0.8, tail: int 
     sync_bytes, sync_total = _col(history, "sync/bytes"), _col(history, "sync/total_s")
     hist = staleness_histogram(history)
     n_hist = sum(hist.values())
+    segs = segments(history)
+    last = segs[-1]  # rates from the latest process (counters restart with it)
     out: dict[str, Any] = {
         "steps": len(history),
-        "wall_s": float(history[-1]["elapsed_s"]),
+        "wall_s": float(sum(seg[-1]["elapsed_s"] for seg in segs)),
+        "resumes": len(segs) - 1,
         "reward_first": rewards[0] if rewards else None,
         "reward_final": statistics.fmean(rewards[-tail:]) if rewards else None,
         "time_to_reward_s": time_to_reward(history, reward_threshold),
         "reward_threshold": reward_threshold,
-        "gen_groups_per_s": _rate(history, _generated),
-        "gen_tokens_per_s": (_rate(history, lambda h: h["executor/output_tokens"])
+        "gen_groups_per_s": _rate(last, _generated),
+        "gen_tokens_per_s": (_rate(last, lambda h: h["executor/output_tokens"])
                              if "executor/output_tokens" in history[-1] else None),
         "train_tokens_per_s": train_tokens / train if train > 0 and train_tokens else None,
         "sync_s": statistics.median(_col(history, "sync/push_s")) if _col(history, "sync/push_s") else None,

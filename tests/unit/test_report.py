@@ -38,6 +38,16 @@ def test_summary_figures_match_hand_computed():
     assert s["split"] == pytest.approx({"rollout_wait": 0.3, "train": 0.5, "sync": 0.1, "other": 0.1})
 
 
+def test_resumed_run_sums_wall_clock_and_rates_from_the_last_process():
+    first, second = history(3), history(4)
+    for h in second:
+        h["step"] += 3
+    s = summarize(first + second)
+    assert s["resumes"] == 1 and s["steps"] == 7
+    assert s["wall_s"] == 4.0 + 5.0 and s["gen_groups_per_s"] == pytest.approx(10.0)
+    assert s["staleness_hist"] == {0: 18 + 24, 1: 6 + 8}
+
+
 def test_missing_figures_are_none_not_invented():
     h = [{k: v for k, v in r.items() if not k.startswith(("executor/output", "executor/consumed", "sync/"))}
          for r in history(3)]
