@@ -383,6 +383,9 @@ def _objective_checks(cfg: RunConfig) -> None:
     if wf not in ("rlvr", "multi_turn") and not (":" in wf and all(p.isidentifier() for p in
                                                                      wf.replace(":", ".").split("."))):
         raise ConfigError(f"rollout.workflow={wf!r} is not rlvr, multi_turn or package.module:factory")
+    if wf == "multi_turn" and cfg.inference.backend == "simulated":
+        raise ConfigError("rollout.workflow=multi_turn writes feedback turns with the model card's chat template; "
+                          "inference.backend=simulated has no tokenizer (use embedded or sglang)")
     _positive("rollout.max_turns", r.max_turns)
     if not 0 < r.turn_discount <= 1:
         raise ConfigError(f"rollout.turn_discount={r.turn_discount} must be in (0, 1]")

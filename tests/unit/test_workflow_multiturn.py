@@ -148,3 +148,21 @@ def test_make_workflow_reads_rollout_workflow(tok):
     assert type(own) is EchoWorkflow and own.max_turns == 2
     with pytest.raises(ValueError, match="cannot load it"):
         make_workflow(load_config(overrides=["rollout.workflow=tests.unit.nothing_here:factory"]), tok, r)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["rollout.workflow=multi_turn", "inference.backend=simulated"], "no tokenizer"),
+    (["rollout.workflow=my-task"], "rollout.workflow"),
+    (["rollout.max_turns=0"], "rollout.max_turns"),
+    (["rollout.turn_discount=1.5"], "rollout.turn_discount"),
+    (["algorithm.objective=seq"], "algorithm.objective"),
+    (["algorithm.imp_weight_mode=kpop"], "algorithm.imp_weight_mode"),
+    (["algorithm.imp_weight_bounds=[5,0.5]"], "algorithm.imp_weight_bounds"),
+    (["algorithm.imp_weight_mode=tis", "algorithm.behav_imp_weight_cap=null"], "behav_imp_weight_cap"),
+    (["algorithm.objective=gspo", "parallel.allocation=sglang:d1+megatron:c2"], "context parallelism"),
+])
+def test_workflow_and_objective_keys_are_validated(overrides, needle):
+    from mega_async.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=needle):
+        load_config(overrides=overrides)
