@@ -216,7 +216,7 @@ class AgentWorkflow(RolloutWorkflow):
             message["tool_calls"] = calls
         session.completions.append(Completion(messages, list(req.input_ids), resp, message))
         finish = "tool_calls" if calls else resp.stop_reason
-        version = resp.output_versions[-1] if resp.output_versions else None
+        version = str(resp.output_versions[-1]) if resp.output_versions else None
         choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": finish,
                                   "matched_stop": resp.output_tokens[-1] if resp.stop_reason == "stop" else None}
         if body.get("logprobs"):
@@ -226,16 +226,19 @@ class AgentWorkflow(RolloutWorkflow):
             choice["prompt_token_ids"] = list(req.input_ids)
         if body.get("return_token_ids"):
             choice["token_ids"] = list(resp.output_tokens)
-        if body.get("return_meta_info"):
-            choice["meta_info"] = {"output_token_logprobs": [[lp, t, None] for t, lp in
-                                                             zip(resp.output_tokens, resp.output_logprobs)],
-                                   "output_versions": list(resp.output_versions),
-                                   "num_interruptions": resp.num_interruptions}
         n_in, n_out = len(req.input_ids), len(resp.output_tokens)
+        if body.get("return_meta_info"):  # SGLang's native meta_info keys (+ num_interruptions)
+            spans = version_spans(resp.output_versions)
+            choice["meta_info"] = {
+                "id": req.rid, "finish_reason": {"type": resp.stop_reason, "matched": choice["matched_stop"]},
+                "prompt_tokens": n_in, "completion_tokens": n_out,
+                "weight_version": spans[-1]["version"] if spans else version, "weight_versions": spans,
+                "output_token_logprobs": [[lp, t, None] for t, lp in zip(resp.output_tokens, resp.output_logprobs)],
+                "num_interruptions": resp.num_interruptions}
         return {"id": f"chatcmpl-{req.rid}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.get("model") or "default", "choices": [choice],
                 "usage": {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
-                "metadata": {"weight_version": None if version is None else str(version)}}
+                "metadata": {"weight_version": version}}
 
     def _request(self, session: AgentSession, body: dict) -> tuple[ModelRequest, list[dict], dict]:
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list) or not body["messages"]:
@@ -275,6 +278,17 @@ class AgentWorkflow(RolloutWorkflow):
     def _logprob(self, token: int, lp: float) -> dict:
         s = self.tokenizer.decode([token], skip_special_tokens=False)
         return {"token": s, "bytes": list(s.encode()), "logprob": lp, "top_logprobs": []}
+
+
+def version_spans(versions: list[int]) -> list[dict]:
+    """SGLang's meta_info.weight_versions: [{version, start, end}] runs over the output tokens."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
 
 
 def _error(code: int, message: str) -> web.Response:

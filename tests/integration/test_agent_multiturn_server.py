@@ -72,3 +72,36 @@ def test_agent_against_the_server_through_a_weight_update(server, hf_models, wei
     vers = t["versions"][0][t["loss_mask"][0].bool()]
     assert set(vers.tolist()) == {0, 1}
     check_against(hf_models, t, 1.0)
+
+
+def test_one_agent_on_the_servers_openai_endpoint_and_inside_an_episode(server):
+    """The same plain-openai agent runs against the embedded server's /v1/chat/completions and inside an episode:
+    same prompt tokens, same greedy output, SGLang's meta_info keys on both."""
+    tok = AutoTokenizer.from_pretrained(CARD)
+
+    async def agent(oai, data):
+        r = await oai.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "Name a colour."}], max_tokens=12, temperature=0.0,
+            extra_body={"return_prompt_token_ids": True, "return_meta_info": True})
+        data["choice"] = {**r.choices[0].model_extra, "content": r.choices[0].message.content}
+        return 1.0
+
+    async def direct():
+        async with openai.AsyncOpenAI(base_url=f"http://{server.addresses[0]}/v1", api_key="none") as oai:
+            data: dict = {}
+            await agent(oai, data)
+            return data["choice"]
+
+    on_server = run(direct())
+    inside: dict = {}
+    t = run(AgentWorkflow(agent, tok, max_new_tokens=12).arun_episode(SGLangClient(server.addresses), inside))
+    mine = inside["choice"]
+    assert mine["prompt_token_ids"] == on_server["prompt_token_ids"]
+    ids_mine = [e[1] for e in mine["meta_info"]["output_token_logprobs"]]
+    ids_server = [e[1] for e in on_server["meta_info"]["output_token_logprobs"]]
+    n = min(len(ids_mine), len(ids_server))  # the episode also stops at the template's end of turn
+    assert n >= 1 and ids_mine[:n] == ids_server[:n]
+    keys = {"id", "finish_reason", "prompt_tokens", "completion_tokens", "weight_version", "weight_versions",
+            "output_token_logprobs"}
+    assert keys <= set(on_server["meta_info"]) and keys <= set(mine["meta_info"])
+    assert t["input_ids"][0].tolist()[:len(mine["prompt_token_ids"])] == mine["prompt_token_ids"]

@@ -98,8 +98,11 @@ def test_sync_agent_and_sglang_response_fields(tok):
     assert ch["token_ids"] == ids(tok, "hello") + [tok.convert_tokens_to_ids("<|im_end|>")]
     assert ch["prompt_token_ids"] == eng.requests[0].input_ids and ch["finish_reason"] == "stop"
     assert [x["logprob"] for x in ch["logprobs"]["content"]] == [-0.25] * len(ch["token_ids"])
-    assert ch["meta_info"]["output_versions"] == t["versions"][0][t["loss_mask"][0].bool()].tolist()
-    assert ch["meta_info"]["output_versions"] == [3] * len(ch["token_ids"]) and seen["metadata"]["weight_version"] == "3"
+    meta = ch["meta_info"]
+    assert meta["weight_versions"] == [{"version": "3", "start": 0, "end": len(ch["token_ids"])}]
+    assert meta["weight_version"] == seen["metadata"]["weight_version"] == "3"
+    assert [e[1] for e in meta["output_token_logprobs"]] == ch["token_ids"]
+    assert meta["finish_reason"]["type"] == "stop" and meta["prompt_tokens"] == len(ch["prompt_token_ids"])
     assert seen["usage"]["completion_tokens"] == len(ch["token_ids"])
     req = eng.requests[0]
     assert (req.max_new_tokens, req.temperature) == (8, 0.0)
