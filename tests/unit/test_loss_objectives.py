@@ -87,20 +87,23 @@ def test_gspo_sequence_ratio_value_and_gradient():
                                      ("seq_mask", {"imp_weight_bounds": [0.5, 5.0]}),
                                      ("tis", {"behav_imp_weight_cap": 5.0})])
 @pytest.mark.parametrize("objective", ["token", "gspo"])
-def test_overflowing_and_non_finite_weights_never_poison_the_gradient(mode, kw, objective):
-    # fp32: token 1 is trained; token 2 has prox - behav = 100 (exp overflows) but is masked; token 3 holds NaN
-    # and -inf on a masked position; token 4 is a masked prompt token with garbage logprobs
-    lp = torch.tensor([-1.0, -0.5, -2.0, -3.0], requires_grad=True)
-    prox = torch.tensor([-1.1, -0.4, -float("inf"), 50.0])
-    behav = torch.tensor([-1.2, -100.4, float("nan"), -60.0])
-    adv = torch.tensor([1.0, 1.0, float("nan"), 2.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overflowing_and_non_finite_weights_never_poison_the_gradient(mode, kw, objective, dtype):
+    # token 1 is trained; token 2 has prox - behav = 100 (exp overflows fp32 and bf16) but is masked; token 3 holds
+    # NaN and -inf on a masked position; token 4 is a masked prompt token with garbage logprobs
+    lp = torch.tensor([-1.0, -0.5, -2.0, -3.0], dtype=dtype, requires_grad=True)
+    prox = torch.tensor([-1.1, -0.4, -float("inf"), 50.0], dtype=dtype)
+    behav = torch.tensor([-1.2, -100.4, float("nan"), -60.0], dtype=dtype)
+    adv = torch.tensor([1.0, 1.0, float("nan"), 2.0], dtype=dtype)
     mask = torch.tensor([1, 0, 0, 0])
     loss, st = decoupled_ppo_loss(lp, prox, behav, adv, mask, objective=objective, imp_weight_mode=mode, **kw)
     loss.backward()
-    expect = -math.exp(0.1) * math.exp(0.1)  # w = e^0.1, r = e^0.1 inside the clip
-    assert loss.item() == pytest.approx(expect, rel=1e-6)
+    d = (prox[0] - behav[0]).item()  # 0.1 up to the dtype's rounding
+    expect = -math.exp(d) * math.exp((lp[0] - prox[0]).item())  # w = e^0.1, r = e^0.1 inside the clip
+    rel = 1e-6 if dtype == torch.float32 else 2e-2
+    assert loss.float().item() == pytest.approx(expect, rel=rel)
     assert torch.isfinite(lp.grad).all()
-    assert lp.grad[0].item() == pytest.approx(expect, rel=1e-6) and (lp.grad[1:] == 0).all()
+    assert lp.grad[0].float().item() == pytest.approx(expect, rel=rel) and (lp.grad[1:] == 0).all()
     assert all(torch.isfinite(v).all() for v in st.values())
 
 
