@@ -1,0 +1,84 @@
+"""`mega-async launch slurm --dry-run`: the recipes validate and render (allocation fits the model, servers
+fit the GPUs), the script is valid bash with the right steps; CPU differences come from the config alone."""
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mega_async.cli import main
+from mega_async.config import TrainerConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = {"qwen3_30b_a3b_gsm8k_2x8.yaml": (2, 8), "qwen3_235b_a22b_gsm8k_10x8.yaml": (10, 8)}
+
+
+def dry_run(capsys, config, *args):
+    rc = main(["launch", "slurm", "-c", str(ROOT / "configs" / config), "--dry-run", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err.strip()
+
+
+def bash_ok(script: str, tmp_path: Path) -> None:
+    f = tmp_path / "job.sbatch"
+    f.write_text(script)
+    r = subprocess.run(["bash", "-n", str(f)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipes_validate_and_render(capsys, tmp_path, recipe):
+    nodes, gpus = RECIPES[recipe]
+    rc, script, err = dry_run(capsys, recipe)
+    assert rc == 0, err
+    bash_ok(script, tmp_path)
+    assert f"#SBATCH --nodes={nodes}" in script and f"#SBATCH --gpus-per-node={gpus}" in script
+    assert "#SBATCH --signal=B:USR1@300" in script and "#SBATCH --exclusive" in script
+    servers = re.findall(r"^ma_start (server\d+) .*--nodes=(\d+)", script, re.M)
+    assert servers and all(n == "1" for _, n in servers)  # one node each, tp 8
+    for line in re.findall(r"sglang\.launch_server .*", script):
+        assert "--tp-size 8" in line and "--ep-size 8" in line and "--enable-dp-attention" in line
+        assert "--dp-size 2" in line and "--host __HOST__ --port __PORT__" in line
+    assert ("sglang_router.launch_router" in script) == (len(servers) > 1)
+    assert f"TRAINER_FIRST_NODE={len(servers)}" in script and f"TRAINER_TASKS_PER_NODE={gpus}" in script
+
+
+def test_a_server_spanning_nodes(capsys, tmp_path):
+    rc, script, err = dry_run(capsys, "qwen3_30b_a3b_gsm8k_2x8.yaml", "--nodes", "3",
+                              "parallel.allocation=sglang:d1t16e16+megatron:d8e8")
+    assert rc == 0, err
+    bash_ok(script, tmp_path)
+    assert "--nodes=2 --ntasks=2 --ntasks-per-node=1" in script
+    assert "--nnodes 2 --node-rank __NODE_RANK__ --dist-init-addr __DIST_INIT__" in script
+    assert 'DIST_INIT0="$(ma_node_addr "${NODES[0]}"):$(ma_free_port "${NODES[0]}")"' in script
+    assert "--dp-size 4" in script and "TRAINER_FIRST_NODE=2" in script
+
+
+def test_cpu_config_asks_for_no_gpus(capsys, tmp_path):
+    rc, script, err = dry_run(capsys, "gsm8k_tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2")
+    assert rc == 0, err
+    bash_ok(script, tmp_path)
+    assert "--gpus-per-node" not in script and "--gres" not in script and "--exclusive" not in script
+    assert "mega_async.inference.server --model" in script and "sglang" not in script.split("set -uo")[1]
+    assert "TRAINER_RANKS=1" in script and "--no-requeue" in script
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--nodes", "3"], "takes 2 nodes of 8 GPUs (1 for 1 server(s), 1 for the trainer) but --nodes=3"),
+    (["launch.gpu_memory_gib=80"], "holds 71.5 GiB of weights, grads and Adam state per GPU, over 75% of a 80 GiB"),
+    (["parallel.allocation=sglang:d1t8e8+megatron:d8e8t3"], "tp=3 does not divide num_attention_heads=32"),
+    (["inference.addresses=[h:1]"], "inference.addresses is set: the job starts its own servers"),
+    (["launch.time=soon"], "launch.time='soon' is not a Slurm time limit"),
+])
+def test_what_does_not_fit_is_one_line_and_prints_no_script(capsys, args, message):
+    rc, script, err = dry_run(capsys, "qwen3_30b_a3b_gsm8k_2x8.yaml", *args)
+    assert rc == 2 and script == "" and "\n" not in err and message in err
+
+
+def test_requeue_follows_the_resume_path(capsys):
+    rc, script, err = dry_run(capsys, "gsm8k_tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "2", "--requeue")
+    if "resume" in {f.name for f in dataclasses.fields(TrainerConfig)}:
+        assert rc == 0 and "#SBATCH --requeue" in script and "REQUEUE=1" in script
+    else:  # no resume path yet: refused before anything is submitted
+        assert rc == 2 and "--requeue resumes through trainer.resume" in err
