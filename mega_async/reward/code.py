@@ -1,9 +1,9 @@
 """Code reward: the completion's last fenced code block runs against the item's reference tests in a sandbox.
 
 sandbox = a fresh scratch directory (removed afterwards) + `python -I` + resource limits set before the
-solution runs (address space, CPU seconds, file size, open files) + no network (`unshare -n`, when the
-kernel lets us; otherwise a warning says the sandbox has network) + a wall-clock timeout that kills the
-process group + stdout read in bounded chunks. Reward = fraction of tests passed (1.0 = all).
+solution runs (address space, CPU seconds, file size, open files) + no network and its own PID namespace
+(`unshare -n -p --kill-child`, when the kernel lets us; otherwise a warning says the sandbox has network) +
+a wall-clock timeout that kills the process group (and the namespace) + stdout read in bounded chunks. Reward = fraction of tests passed (1.0 = all).
 A sandbox that times out, dies on a signal (e.g. the memory limit) or prints more than `max_output_bytes`
 raises `CodeRewardError`, so the RewardRunner rejects the sample; the rollout loop never waits on it
 (everything is asyncio). Not a defence against code that deliberately inspects the harness.
@@ -80,14 +80,16 @@ def extract_code(completion: str, languages: Sequence[str] = ("python", "py", "p
 
 @lru_cache(maxsize=1)
 def network_isolation() -> tuple[str, ...]:
-    """The command prefix that runs a process without network: `unshare -n` (root) or `unshare -rn` (user
-    namespaces); () with a warning when neither works here."""
+    """The command prefix that runs the sandbox without network and, where the kernel allows, in its own PID
+    namespace that dies with it (`--kill-child`: children that escaped the process group go too). Tried as
+    root (`unshare -n`) and with user namespaces (`-rn`); () with a warning when nothing works here."""
     exe = shutil.which("unshare")
-    for prefix in (("-n",), ("-rn",)):
+    pid_ns = ("-p", "-f", "--kill-child")
+    for prefix in (("-n", *pid_ns), ("-rn", *pid_ns), ("-n",), ("-rn",)):
         if exe is None:
             break
         try:
-            if subprocess.run([exe, *prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+            if subprocess.run([exe, *prefix, "true"], capture_output=True, timeout=10, check=False).returncode == 0:
                 return (exe, *prefix)
         except (OSError, subprocess.TimeoutExpired):
             pass
@@ -135,6 +137,8 @@ class CodeReward:
             with open(os.path.join(scratch, "tests.json"), "w") as f:
                 json.dump(tests, f)
             prefix = network_isolation() if self.isolate_network else ()
+            if "--kill-child" in prefix:  # a shell is the namespace's PID 1, so the solution gets normal signals
+                prefix = (*prefix, "/bin/sh", "-c", '"$0" "$@"; exit $?')
             proc = await asyncio.create_subprocess_exec(
                 *prefix, sys.executable, "-I", "-c", _HARNESS, cwd=scratch, stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
@@ -175,8 +179,13 @@ class CodeReward:
             parts = line.split()
             if len(parts) == 3 and parts[0] == nonce:
                 return int(parts[1]), int(parts[2])
-        if rc < 0:
-            raise CodeRewardError(f"code sandbox killed by {signal.Signals(-rc).name} (memory or CPU limit?)")
+        if rc < 0 or rc > 128:  # killed (> 128: the status a shell reports for a killed child)
+            sig = -rc if rc < 0 else rc - 128
+            try:
+                name = signal.Signals(sig).name
+            except ValueError:
+                name = f"signal {sig}"
+            raise CodeRewardError(f"code sandbox killed by {name} (memory or CPU limit?)")
         if rc == 0:  # the solution ended the process (os._exit) before the harness reported: no test passed
             return 0, total
         raise CodeRewardError(f"code sandbox exited with status {rc} without a result: {out[-200:]!r}")
