@@ -3,7 +3,8 @@
 sandbox = a fresh scratch directory (removed afterwards) + `python -I` + resource limits set before the
 solution runs (address space, CPU seconds, file size, open files) + no network and its own PID namespace
 (`unshare -n -p --kill-child`, when the kernel lets us; otherwise a warning says the sandbox has network) +
-a wall-clock timeout that kills the process group (and the namespace) + stdout read in bounded chunks. Reward = fraction of tests passed (1.0 = all).
+a wall-clock timeout that kills the process group (and the namespace) + stdout read in bounded chunks.
+Reward = fraction of tests passed (1.0 = all).
 A sandbox that times out, dies on a signal (e.g. the memory limit) or prints more than `max_output_bytes`
 raises `CodeRewardError`, so the RewardRunner rejects the sample; the rollout loop never waits on it
 (everything is asyncio). Not a defence against code that deliberately inspects the harness.
