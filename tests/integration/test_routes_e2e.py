@@ -1,0 +1,86 @@
+"""Routed experts end to end: the embedded server (--enable-return-routed-experts) through the real client.
+The routes equal the top-k of the transformers router on the same tokens, and a request interrupted by a
+weight update keeps, for every token generated before it, the routes of the old weights."""
+import asyncio
+
+import pytest
+import torch
+
+from mega_async.inference.client import SGLangClient
+from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.rollout.workflow import trajectory_from_response
+from mega_async.types import ModelRequest
+
+PROMPT = [5, 17, 300, 42, 7, 99]
+
+
+@pytest.fixture(scope="module")
+def routed_server(weights_root, tmp_path_factory):
+    spec = ServerSpec("embedded", str(weights_root / "v0"), weights_root=str(weights_root),
+                      extra_args=["--enable-return-routed-experts"])
+    with ServerLauncher(spec, log_dir=str(tmp_path_factory.mktemp("logs")), startup_timeout=120) as launcher:
+        yield launcher
+
+
+def hf_topk(model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), layers * k] top-k expert ids of every position's forward in transformers."""
+    gates = [layer.mlp.gate for layer in model.model.layers]
+    seen = []
+    hooks = [g.register_forward_hook(lambda m, a, out: seen.append(out[2])) for g in gates]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return torch.stack(seen, 1).reshape(len(ids), -1).int()
+
+
+def test_routes_equal_the_transformers_router(routed_server, hf_models):
+    client = SGLangClient(routed_server.addresses)
+
+    async def main():
+        try:
+            return await client.agenerate(ModelRequest(PROMPT, max_new_tokens=24, temperature=0.7,
+                                                       return_routed_experts=True))
+        finally:
+            await client.aclose()
+
+    resp = asyncio.run(main())
+    seq = PROMPT + resp.output_tokens
+    assert resp.routed_experts.shape[0] == len(seq) - 1  # the last token was never forwarded
+    assert resp.routed_experts.equal(hf_topk(hf_models["v0"], seq)[:-1])
+    traj = trajectory_from_response(PROMPT, resp, 1.0)
+    assert traj["routed_experts"].shape[:2] == traj["versions"].shape
+
+
+def test_interrupted_request_keeps_each_tokens_routes(routed_server, hf_models, weights_root):
+    """A request cut after 12 tokens at v0, the servers updated to v1, then resumed by the client (the path an
+    abort-mode pause takes; deterministic here): rows before the switch keep v0's routes, the rest are v1's."""
+    client = SGLangClient(routed_server.addresses)
+
+    async def update(v: int) -> None:
+        await client.update_weights(lambda: client.update_weights_from_disk(str(weights_root / f"v{v % 2}"), v), v)
+
+    async def main():
+        try:
+            first = await client.agenerate(ModelRequest(PROMPT, max_new_tokens=12, temperature=0.0, ignore_eos=True,
+                                                        return_routed_experts=True))
+            await update(1)
+            req = ModelRequest(PROMPT, max_new_tokens=24, temperature=0.0, ignore_eos=True, return_routed_experts=True)
+            resp = await client.agenerate(req, resume=first)
+            await update(2)  # back to v0's weights for the rest of the module
+            return resp
+        finally:
+            await client.aclose()
+
+    resp = asyncio.run(main())
+    assert resp.output_versions == [0] * 12 + [1] * 12
+    seq = PROMPT + resp.output_tokens
+    cut = len(PROMPT) + 12 - 1  # the forward at `cut` sampled the first v1 token
+    routes = resp.routed_experts
+    assert routes.shape[0] == len(seq) - 1
+    old, new = hf_topk(hf_models["v0"], seq)[:-1], hf_topk(hf_models["v1"], seq)[:-1]
+    assert routes[:cut].equal(old[:cut])  # generated before the update: the old weights' routes, kept
+    assert routes[cut:].equal(new[cut:])  # generated after it: the new weights' routes
+    assert not old[:cut].equal(new[:cut])  # (the two versions do route differently)
