@@ -1,0 +1,121 @@
+"""The embedded server's pure request/response module and sampling processors, without a model."""
+import base64
+
+import numpy as np
+import pytest
+import torch
+
+from mega_async.inference.server.engine import GenRequest
+from mega_async.inference.server.generate_protocol import (GenerateLimits, Options, check_text, meta_info,
+                                                           output_text, parse_generate, parse_sampling, prompt_items,
+                                                           version_spans)
+from mega_async.inference.server.protocol import ContractError, ValueRejected, error_body
+from mega_async.inference.server.routing import encode_routes
+from mega_async.inference.server.sampling import process_logits, sample_full
+
+LIM = GenerateLimits(vocab_size=100, max_context=64, max_new_tokens_cap=1 << 16, tokenizer=None, max_token_chars=4)
+
+
+@pytest.mark.parametrize("sp, err, needle", [
+    ({"max_tokens": 2}, ContractError, "unknown field `max_tokens`, expected one of `max_new_tokens`"),
+    ({"ignore_eos": "false"}, ContractError, 'invalid type: string "false", expected a boolean'),
+    ({"temperature": float("nan")}, ValueRejected, "temperature must be a finite number"),
+    ({"temperature": "1"}, ContractError, 'invalid type: string "1", expected f64'),
+    ({"top_p": 0}, ValueRejected, "top_p must be in (0, 1]"),
+    ({"regex": "a+"}, ValueRejected, "regex is not supported"),
+    ({"json_schema": "{}"}, ValueRejected, "json_schema is not supported"),
+    ({"min_new_tokens": 9, "max_new_tokens": 4}, ValueRejected, "min_new_tokens must be in [0, max_new_tokens(4)]"),
+    ({"n": 0}, ValueRejected, "n must be at least 1"),
+    ({"logit_bias": {"x": 1}}, ValueRejected, "logit_bias keys must be token ids"),
+])
+def test_sampling_params_follow_sglang_contract(sp, err, needle):
+    with pytest.raises(err) as e:
+        parse_sampling(sp)
+    assert needle in str(e.value)
+    body = error_body(e.value)
+    assert (body == {"error": str(e.value)}) if err is ContractError else (body["error"]["message"] == str(e.value))
+
+
+def test_parse_expands_n_and_batches_with_sglang_rids():
+    body = {"input_ids": [[1, 2], [3, 4, 5]], "rid": "r", "sampling_params": {"n": 2, "max_new_tokens": 3},
+            "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+    items, is_batch = prompt_items(body)
+    reqs = parse_generate(body, items, is_batch, LIM)
+    assert [r.rid for r, _ in reqs] == ["r-0", "r-1", "r-2", "r-3"]
+    assert [r.input_ids for r, _ in reqs] == [[1, 2], [1, 2], [3, 4, 5], [3, 4, 5]]
+    assert all(r.top_logprobs_num == 2 and r.logprob_start_len == 0 and o.return_logprob for r, o in reqs)
+    with pytest.raises(ValueRejected, match="--enable-return-routed-experts"):
+        parse_generate({"input_ids": [1, 2], "return_routed_experts": True, "sampling_params": {"max_new_tokens": 3}},
+                       [[1, 2]], False, LIM)
+    with pytest.raises(ContractError, match="expected a boolean"):
+        parse_generate({"input_ids": [1, 2], "return_logprob": "false", "sampling_params": {"max_new_tokens": 3}},
+                       [[1, 2]], False, LIM)
+    with pytest.raises(ValueRejected, match="context length"):
+        parse_generate({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 63}}, [[1, 2]], False, LIM)
+
+
+def test_long_text_is_refused_before_tokenizing():
+    lim = GenerateLimits(100, 64, 1 << 16, tokenizer=object(), max_token_chars=4)
+    check_text("x" * 256, lim)  # could still fit
+    with pytest.raises(ValueRejected, match="longer than the context length"):
+        check_text("x" * 257, lim)
+
+
+def test_weight_version_spans_and_meta():
+    assert version_spans(["1", "1", "2", "2", "2"], "3") == [{"version": "1", "start": 0, "end": 2},
+                                                            {"version": "2", "start": 2, "end": 5}]
+    assert version_spans([], "3") == [{"version": "3", "start": 0, "end": 0}]
+    r = GenRequest(rid="a", input_ids=[1, 2, 3], output_ids=[4, 5], output_logprobs=[-0.5, -1.0],
+                   output_versions=["0", "1"], finish_reason={"type": "length", "length": 2})
+    m = meta_info(r, Options(return_logprob=True), "1", 0.1, None)
+    assert m["weight_version"] == "1" and len(m["weight_versions"]) == 2
+    assert m["output_token_logprobs"] == [[-0.5, 4, None], [-1.0, 5, None]] and m["input_token_logprobs"] == []
+
+
+class _Tok:
+    def decode(self, ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+        return "".join({4: "ab", 5: "STOP", 6: "cd", 0: "<eos>"}[i] for i in ids)
+
+
+def test_stop_trimming_and_no_stop_trim():
+    r = GenRequest(rid="a", input_ids=[1], output_ids=[4, 5, 6], finish_reason={"type": "stop", "matched": "STOP"})
+    assert output_text(r, Options(), _Tok()) == "ab"
+    assert output_text(r, Options(no_stop_trim=True), _Tok()) == "abSTOPcd"
+    r = GenRequest(rid="a", input_ids=[1], output_ids=[4, 0], finish_reason={"type": "stop", "matched": 0})
+    assert output_text(r, Options(), _Tok()) == "ab" and output_text(r, Options(no_stop_trim=True), _Tok()) == "ab<eos>"
+
+
+def test_routed_experts_encoding_is_sglangs():
+    routes = torch.tensor([[[1, 2], [3, 0]], [[7, 6], [5, 4]], [[0, 1], [2, 3]]])  # [tokens, layers, k]
+    back = np.frombuffer(base64.b64decode(encode_routes(routes).encode("ascii")), dtype=np.int32).reshape(3, 2, 2)
+    assert back.tolist() == routes.tolist()
+
+
+def _req(**kw):
+    return GenRequest(rid="x", input_ids=[1], **kw)
+
+
+def test_penalties_bias_and_min_new_tokens():
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    out = process_logits(logits.clone(), [_req(output_ids=[1, 1, 2], frequency_penalty=0.5)], set())
+    assert torch.allclose(out, torch.tensor([[1.0, 1.0, -1.5, 0.5]]))
+    out = process_logits(logits.clone(), [_req(output_ids=[1, 2], presence_penalty=0.25)], set())
+    assert torch.allclose(out, torch.tensor([[1.0, 1.75, -1.25, 0.5]]))
+    out = process_logits(logits.clone(), [_req(output_ids=[1, 2], repetition_penalty=2.0)], set())
+    assert torch.allclose(out, torch.tensor([[1.0, 1.0, -2.0, 0.5]]))  # positive / p, negative * p
+    out = process_logits(logits.clone(), [_req(logit_bias={3: 10.0})], set())
+    assert torch.allclose(out, torch.tensor([[1.0, 2.0, -1.0, 10.5]]))
+    out = process_logits(logits.clone(), [_req(min_new_tokens=2, stop_token_ids={3})], {1})
+    assert out[0, 1] == float("-inf") and out[0, 3] == float("-inf") and out[0, 0] == 1.0
+
+
+def test_sampling_seed_makes_rows_reproducible():
+    logits = torch.randn(3, 50)
+    g = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(7)]
+    a, _, _ = sample_full(logits, [1.0] * 3, [-1] * 3, [1.0] * 3, torch.Generator().manual_seed(0), generators=g)
+    g2 = [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(8)]
+    b, _, _ = sample_full(logits, [1.0] * 3, [-1] * 3, [1.0] * 3, torch.Generator().manual_seed(1), generators=g2)
+    assert a[0] == b[0]  # same seed, same draw, whatever the batch generator did
+    outs = {int(sample_full(logits[:1], [1.0], [-1], [1.0], generators=[torch.Generator().manual_seed(s)])[0])
+            for s in range(20)}
+    assert len(outs) > 3  # different seeds draw differently
