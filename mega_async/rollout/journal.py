@@ -31,13 +31,20 @@ class CallRecord:
         return {"input_ids": list(self.input_ids), "max_new_tokens": self.max_new_tokens, "done": self.done,
                 "output_tokens": r.output_tokens[:n], "output_logprobs": r.output_logprobs[:n],
                 "output_versions": r.output_versions[:n], "stop_reason": r.stop_reason,
-                "num_interruptions": r.num_interruptions}
+                "num_interruptions": r.num_interruptions,
+                # rows of the forwards so far (routing replay), as many as the kept prefix has
+                "routed_experts": None if r.routed_experts is None
+                else r.routed_experts[:len(self.input_ids) + n - 1].tolist()}
 
     @classmethod
     def restore(cls, d: dict[str, Any]) -> "CallRecord":
         resp = ModelResponse(input_tokens=list(d["input_ids"]), output_tokens=list(d["output_tokens"]),
                              output_logprobs=list(d["output_logprobs"]), output_versions=list(d["output_versions"]),
                              stop_reason=d["stop_reason"], num_interruptions=d["num_interruptions"])
+        if d.get("routed_experts") is not None:
+            import torch
+
+            resp.routed_experts = torch.tensor(d["routed_experts"], dtype=torch.int32)
         return cls(list(d["input_ids"]), int(d["max_new_tokens"]), resp, bool(d["done"]))
 
 
@@ -103,4 +110,5 @@ class JournaledEngine:
 def _copy(r: ModelResponse) -> ModelResponse:
     return ModelResponse(input_tokens=list(r.input_tokens), output_tokens=list(r.output_tokens),
                          output_logprobs=list(r.output_logprobs), output_versions=list(r.output_versions),
-                         stop_reason=r.stop_reason, latency=r.latency, num_interruptions=r.num_interruptions)
+                         stop_reason=r.stop_reason, latency=r.latency, num_interruptions=r.num_interruptions,
+                         routed_experts=r.routed_experts)

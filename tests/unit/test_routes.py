@@ -59,3 +59,25 @@ def test_multi_turn_trajectory_keeps_earlier_turns_routes():
     traj.add_output(ModelResponse([1, 2, 3, 9], [4], [-0.1], [1], routed_experts=torch.ones(4, 2, dtype=torch.int32)))
     r = traj.tensors(1.0)["routed_experts"][0]
     assert r.shape == (5, 2) and (r[:2] == 0).all() and (r[2:4] == 1).all() and (r[4] == -1).all()
+
+
+def test_journal_keeps_routes_through_copies_and_checkpoints():
+    """The executor's journal hands workflows a copy of each response and snapshots running ones: both keep
+    the routes (a copy without them made every routing-replay batch lack routed_experts)."""
+    import asyncio
+
+    from mega_async.rollout.journal import CallRecord, EpisodeJournal, JournaledEngine
+    from mega_async.types import ModelRequest
+
+    class Engine:
+        async def agenerate(self, req, resume=None):
+            resp = resume if resume is not None else ModelResponse(list(req.input_ids))
+            resp.output_tokens, resp.output_logprobs, resp.output_versions = [7, 8], [-0.1, -0.2], [0, 0]
+            resp.routed_experts = torch.arange(3 * 2, dtype=torch.int32).reshape(3, 2)
+            return resp
+
+    journal = EpisodeJournal()
+    out = asyncio.run(JournaledEngine(Engine(), journal).agenerate(ModelRequest([1, 2], max_new_tokens=2)))
+    assert out.routed_experts.equal(torch.arange(6, dtype=torch.int32).reshape(3, 2))
+    back = CallRecord.restore(journal.records[0].snapshot())
+    assert back.response.routed_experts.equal(out.routed_experts)
