@@ -49,10 +49,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from mega_async import spmd
     from mega_async.allocation import AllocationError, parse_allocation
 
+    if args.resume:
+        args.overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")] + ["trainer.resume=require"]
     cfg = load_config(args.config, args.overrides)
-    from mega_async.console import setup_logging
-
-    setup_logging(cfg.logging.level, cfg.run_dir, cfg.trainer.total_steps, verbose=args.verbose)
     if cfg.inference.backend == "simulated":
         raise ConfigError("inference.backend=simulated has no model to train or update; mega-async train needs "
                           "embedded or sglang servers (the simulator is for mega-async rollout)")
@@ -64,15 +63,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from mega_async.allocation import validate_for_model
 
         validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
+    from mega_async.checkpoint import resume_point
+    from mega_async.loop import check_inputs
+
+    resume_point(cfg.run_dir, cfg.trainer.resume)  # refuses to mix two runs before anything is written
+    check_inputs(cfg)  # model card, context budget, dataset and reward before any rank or server starts
+    from mega_async.console import setup_logging
+
+    setup_logging(cfg.logging.level, cfg.run_dir, cfg.trainer.total_steps, verbose=args.verbose)
     if world > 1 and not spmd.under_launcher():  # one host: start the trainer ranks ourselves
         argv = ["train"] + (["-c", args.config] if args.config else []) + (["-v"] if args.verbose else []) \
             + list(args.overrides)
         return spmd.launch_local(world, argv)
-    from mega_async.loop import run_training
+    from mega_async.loop import Preempted, run_training
 
     spmd.stop_on_sigterm()
     try:
-        history = run_training(cfg)
+        history = run_training(cfg, stop_requested=spmd.PreemptFlag())
+    except Preempted as e:  # a clean stop with a checkpoint: exit 0 so a requeued job resumes
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"mega-async train: {e}", flush=True)
+        return 0
     except BaseException as e:
         if isinstance(e, (ConfigError, AllocationError, FileNotFoundError)) and world == 1:
             raise  # bad input: main() prints it in one line
@@ -122,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--config", "-c", default=None, help="YAML run config (see configs/)")
     t.add_argument("--verbose", "-v", action="store_true", help="third-party INFO and warnings on the console too")
     t.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=5")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in the run directory (trainer.resume=require)")
     t.set_defaults(fn=_cmd_train)
     sub.add_parser("serve", help="embedded SGLang-protocol server (see python -m mega_async.inference.server -h)",
                    add_help=False)
@@ -157,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     args = parser.parse_args(argv)
     from mega_async.allocation import AllocationError
+    from mega_async.checkpoint import CheckpointError
 
     try:
         return args.fn(args)
-    except (ConfigError, AllocationError, FileNotFoundError) as e:  # bad input: one line, no traceback
+    except (ConfigError, AllocationError, FileNotFoundError, CheckpointError) as e:  # bad input: one line
         print(f"mega-async {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -85,7 +85,11 @@ class DataConfig:
     name: str = "synthetic"  # synthetic | gsm8k | jsonl
     path: Optional[str] = None  # local jsonl/parquet file or directory
     split: str = "train"
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 256  # longer prompts are skipped at load (their count is logged)
+    shuffle: bool = True  # a seeded permutation per epoch (seed + epoch); the same after a resume
+    # the reward function: synthetic | gsm8k | code | package.module:function (fn(prompt, completion, **item));
+    # null = the dataset's own (synthetic -> synthetic, gsm8k -> gsm8k; a jsonl dataset must name one)
+    reward: Optional[str] = None
     synthetic_target: Optional[int] = None  # synthetic task: one target token for every prompt; None = random each
     chat_template: bool = True  # gsm8k: prompts as chat messages through the tokenizer's chat template
     # held-out problems for evaluation: a file (or a directory with <eval_split>.jsonl/.parquet); null = the
@@ -130,7 +134,12 @@ class TrainerConfig:
     grad_clip: float = 1.0
     max_tokens_per_mb: int = 4096
     ppo_n_minibatches: int = 1
-    save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    save_interval: int = 0  # steps between checkpoints (<run_dir>/checkpoints/step_<N>); 0 = only at the end
+    keep_checkpoints: int = 2  # newest complete checkpoints kept
+    # never: start fresh (refused when the run directory already holds a run) | auto: continue from the newest
+    # complete checkpoint if there is one, else start fresh | require: continue, refused without a checkpoint
+    # (`mega-async train --resume`)
+    resume: str = "never"
     weight_sync: str = "distributed"  # distributed (torch.distributed broadcast) | disk (HF dirs the servers load)
     sync_bucket_bytes: int = 512 << 20  # byte budget of one weight bucket (a layer's experts never split)
     sync_load_format: str = "flattened_bucket"  # flattened_bucket (one buffer per bucket) | tensor (one per tensor)
@@ -148,6 +157,9 @@ class LoggingConfig:
     root_dir: str = "runs"  # run directory = root_dir/experiment_name/trial_name
     tensorboard: bool = True
     level: str = "INFO"
+
+
+REWARDS = ("synthetic", "gsm8k", "code")
 
 
 def api_key(cfg: "RunConfig") -> Optional[str]:
@@ -281,6 +293,12 @@ def validate(cfg: RunConfig) -> None:
     _choice("data.name", cfg.data.name, ("synthetic", "gsm8k", "jsonl"))
     if cfg.data.name == "jsonl" and not cfg.data.path:
         raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")
+    rw = cfg.data.reward
+    if rw is None and cfg.data.name == "jsonl":
+        raise ConfigError("data.name=jsonl needs data.reward (gsm8k, code, synthetic or package.module:function): "
+                          "without it every sample would be scored by the synthetic task's reward")
+    if rw is not None and rw not in REWARDS and (":" not in rw or not all(rw.partition(":")[::2])):
+        raise ConfigError(f"data.reward={rw!r} is not one of {', '.join(REWARDS)} or package.module:function")
     _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
     _positive("data.eval_size", cfg.data.eval_size)
     _positive("trainer.eval_interval", cfg.trainer.eval_interval, allow_zero=True)
@@ -325,6 +343,8 @@ def validate(cfg: RunConfig) -> None:
             f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group"
         )
     _positive("trainer.save_interval", t.save_interval, allow_zero=True)
+    _positive("trainer.keep_checkpoints", t.keep_checkpoints)
+    _choice("trainer.resume", str(t.resume), ("never", "auto", "require"))
     _choice("trainer.weight_sync", t.weight_sync, ("distributed", "disk"))
     _positive("trainer.sync_bucket_bytes", t.sync_bucket_bytes)
     _choice("trainer.sync_load_format", t.sync_load_format, ("flattened_bucket", "tensor"))

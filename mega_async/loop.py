@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mega_async.config import RunConfig, api_key, save_config
+from mega_async.config import ConfigError, RunConfig, api_key, save_config
 from mega_async.data import load_rows, synthetic_items
 from mega_async.evaluation import Evaluator
 from mega_async.inference.service import InferenceService
@@ -44,14 +44,54 @@ def build_dataset(cfg: RunConfig, vocab_size: int) -> list[dict[str, Any]]:
     return load_rows(d.path)  # type: ignore[arg-type]
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Before anything starts (no run directory yet): the model card exists, prompt + generation budget fits its
+    context, the dataset is there and parses, the reward function loads. Raises ConfigError (one line)."""
+    from pathlib import Path
+
+    card = Path(cfg.model.path) / "config.json"
+    if not card.is_file():
+        raise ConfigError(f"model.path={cfg.model.path}: config.json not found; pass an HF-format model directory")
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(cfg.model.path)
+    ctx = getattr(hf, "max_position_embeddings", None)
+    budget = cfg.rollout.max_new_tokens + cfg.data.max_prompt_tokens
+    if ctx is not None and budget > ctx:
+        raise ConfigError(f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} + data.max_prompt_tokens="
+                          f"{cfg.data.max_prompt_tokens} = {budget} exceeds the model's context "
+                          f"max_position_embeddings={ctx} ({card}); lower one of them")
+    try:
+        items = build_dataset(cfg, getattr(hf, "vocab_size", 64))
+    except (OSError, ValueError, KeyError, ImportError) as e:
+        raise ConfigError(f"data.path={cfg.data.path}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+    if not items:
+        raise ConfigError(f"data.path={cfg.data.path}: the dataset is empty")
+    reward_for(cfg)
+
+
 def reward_for(cfg: RunConfig) -> Callable[..., float]:
-    if cfg.data.name == "gsm8k":
+    """The reward function `data.reward` names (or the dataset's own: synthetic, gsm8k)."""
+    name = cfg.data.reward or cfg.data.name
+    if name == "gsm8k":
         from mega_async.reward.gsm8k import gsm8k_reward
 
         return gsm8k_reward
-    from mega_async.reward.synthetic import target_token_reward
+    if name == "code":
+        from mega_async.reward.code import code_reward
 
-    return target_token_reward
+        return code_reward
+    if name == "synthetic":
+        from mega_async.reward.synthetic import target_token_reward
+
+        return target_token_reward
+    import importlib
+
+    module, _, fn = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), fn)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"data.reward={name!r}: cannot load it ({type(e).__name__}: {e})") from None
 
 
 def rollout_parts(cfg: RunConfig, service: InferenceService) -> tuple[list, GroupWorkflow, DynamicFilter | None]:
@@ -59,7 +99,23 @@ def rollout_parts(cfg: RunConfig, service: InferenceService) -> tuple[list, Grou
     r = cfg.rollout
     workflow = GroupWorkflow(make_workflow(cfg, service.tokenizer, reward_for(cfg)), r.group_size)  # rollout.workflow
     flt = DynamicFilter(max_consecutive_drops=r.dynamic_filter_max_drops) if r.dynamic_filter else None
-    return build_dataset(cfg, service.vocab_size), workflow, flt
+    return within_prompt_budget(build_dataset(cfg, service.vocab_size), workflow.workflow, cfg), workflow, flt
+
+
+def within_prompt_budget(items: list, workflow: Any, cfg: RunConfig) -> list:
+    """Drop items whose prompt exceeds `data.max_prompt_tokens` (counted and logged), so every episode fits the
+    model's context with `rollout.max_new_tokens` (checked at load)."""
+    limit = cfg.data.max_prompt_tokens
+    encode = getattr(workflow, "encode", None)
+    if encode is None:
+        return items
+    kept = [it for it in items if len(encode(it)[0]) <= limit]
+    if len(kept) < len(items):
+        logger.warning("skipped %d of %d prompts longer than data.max_prompt_tokens=%d", len(items) - len(kept),
+                       len(items), limit)
+    if not kept:
+        raise ConfigError(f"every prompt is longer than data.max_prompt_tokens={limit}; raise it")
+    return kept
 
 
 # ---- rollout only ----------------------------------------------------------------------------------
@@ -105,11 +161,68 @@ def _rollout_stats(step: int, batch: list[dict], ex: WorkflowExecutor, flt: Opti
 
 
 # ---- training --------------------------------------------------------------------------------------
-def run_training(cfg: RunConfig) -> list[dict[str, float]]:
-    """The RL loop on this trainer rank (all ranks run it; rank 0 returns the per-step history)."""
+class Preempted(Exception):
+    """The run stopped at a step boundary on request (Slurm's pre-emption signal) after writing a checkpoint."""
+
+    def __init__(self, step: int, checkpoint: Any):
+        super().__init__(f"preempted after step {step}; checkpoint {checkpoint}; continue with --resume")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class RolloutOwner:
+    """Rank 0's half of a run: servers, dataset order, executor, ledger, metrics and evaluation."""
+
+    def __init__(self, cfg: RunConfig, version: WeightVersion, stack: contextlib.ExitStack, start: int, cpu: bool):
+        from mega_async.rollout.dataloader import EpochLoader
+        from mega_async.rollout.ledger import Ledger
+
+        self.cfg = cfg
+        self.service = InferenceService(cfg, version, weights_root=(cfg.run_dir / "weights"),
+                                        cpu_share=0.5 if cpu else 1.0)
+        stack.callback(self.service.close)
+        self.metrics = Metrics(cfg.run_dir, tensorboard=cfg.logging.tensorboard, purge_step=start or None)
+        stack.callback(self.metrics.close)
+        self.ledger = Ledger(cfg.run_dir / "rollouts.jsonl")
+        stack.callback(self.ledger.close)
+        data, workflow, self.flt = rollout_parts(cfg, self.service)
+        self.loader = EpochLoader(data, seed=cfg.seed, shuffle=cfg.data.shuffle)
+        self.ex = stack.enter_context(WorkflowExecutor.from_config(cfg.rollout, self.service.engine, workflow,
+                                                                   should_accept=self.flt, version=version,
+                                                                   ledger=self.ledger))
+        self.rewards = RewardTracker(self.flt)
+        self.evaluator = Evaluator.from_config(cfg, self.service, reward_for(cfg))
+
+    def snapshot(self, sync: Any) -> tuple[dict, dict]:
+        """Under the pause bracket (nothing generates): every unconsumed rollout, the dataset position and the
+        sizes of metrics and ledger. Returns (rollout state, trainer.json extras)."""
+        with sync.pause_bracket():
+            client = self.service.engine
+            deadline = time.monotonic() + self.cfg.trainer.sync_timeout
+            while sum(getattr(s, "in_flight", 0) for s in getattr(client, "servers", [])) and \
+                    time.monotonic() < deadline:  # aborted requests' partial outputs are still arriving
+                time.sleep(0.005)
+            state = {"executor": self.ex.snapshot(), "loader": self.loader.state_dict()}
+            sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size()}
+        return state, sizes
+
+    def restore(self, state: dict, version: int) -> None:
+        self.loader.load_state_dict(state["loader"])
+        self.ex.on_version_recovered(version)  # the staleness budget: version * B groups were consumed
+        self.ex.restore(state["executor"])
+        logger.info("resumed at version %d: %d rollouts restored (%d running, %d ready), dataset epoch %d "
+                    "position %d", version, len(state["executor"]["episodes"]),
+                    sum(e["state"] == "running" for e in state["executor"]["episodes"]),
+                    sum(e["state"] == "done" for e in state["executor"]["episodes"]), state["loader"]["epoch"],
+                    state["loader"]["position"])
+
+
+def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = None) -> list[dict[str, float]]:
+    """The RL loop on this trainer rank (all ranks run it; rank 0 returns the per-step history). Continues from
+    a checkpoint per `trainer.resume`; `stop_requested()` true on any rank: checkpoint, then raise Preempted."""
     import torch.distributed as dist
 
     from mega_async.allocation import parse_allocation
+    from mega_async.checkpoint import load_checkpoint, reset_run_dir, resume_point
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
     from mega_async.trainer.parallel import control_group, destroy_parallel_state, init_distributed
     from mega_async.trainer.weights import save_hf_checkpoint
@@ -118,54 +231,104 @@ def run_training(cfg: RunConfig) -> list[dict[str, float]]:
     init_distributed()
     ctrl = control_group()  # batches and failure agreement: gloo, with a timeout longer than any rollout wait
     rank0 = dist.get_rank() == 0
+    resume = None
     if rank0:
         _weights_ready(cfg)  # a bad model.path fails here, before the run directory is written
+        resume = resume_point(cfg.run_dir, cfg.trainer.resume)
+        reset_run_dir(cfg.run_dir, resume)
         save_config(cfg, cfg.run_dir)
-    dist.barrier()
+    resume = _from_rank0(resume, ctrl)
     cpu = not torch.cuda.is_available()
     if cpu:  # trainer ranks and servers share the host's cores: split them, never oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * alloc.train.world_size)))
-    engine = MegatronTrainEngine(cfg.model.path, alloc.train, EngineConfig.from_run_config(cfg))
-    version = WeightVersion()
-    service = metrics = None
+    engine = MegatronTrainEngine(cfg.model.path, alloc.train, EngineConfig.from_run_config(cfg),
+                                 dtype=_DTYPES[cfg.model.dtype])
+    meta = load_checkpoint(resume, engine) if resume is not None else None
+    start = meta["step"] + 1 if meta else 0
+    version = WeightVersion(meta["version"] - 1 if meta else 0)  # a resume's first push brings it back
+    owner = None
     with contextlib.ExitStack() as stack:
         if rank0:
-            service = InferenceService(cfg, version, weights_root=(cfg.run_dir / "weights"),
-                                       cpu_share=0.5 if cpu else 1.0)
-            stack.callback(service.close)
-            metrics = Metrics(cfg.run_dir, tensorboard=cfg.logging.tensorboard)
-            stack.callback(metrics.close)
-            data, workflow, flt = rollout_parts(cfg, service)
-            ex = stack.enter_context(WorkflowExecutor.from_config(cfg.rollout, service.engine, workflow,
-                                                                  should_accept=flt, version=version))
-            rewards = RewardTracker(flt)
-            evaluator = Evaluator.from_config(cfg, service, reward_for(cfg))
-        sync = make_sync(cfg, engine, version, service, ex if rank0 else None, ctrl)
+            owner = RolloutOwner(cfg, version, stack, start, cpu)
+        sync = make_sync(cfg, engine, version, owner.service if owner else None, owner.ex if owner else None, ctrl)
         stack.callback(sync.close)
-        for step in range(cfg.trainer.total_steps):
-            t0 = time.monotonic()
-            groups = ex.prepare_batch(data) if rank0 else None
-            t_rollout = time.monotonic() - t0
-            batch, batch_reward = dp_share(groups, cfg, ctrl)
-            train_stats = engine.train_batch(batch)
-            t_train = time.monotonic() - t0 - t_rollout
-            sync_stats = sync.push()
-            engine.set_version(version.value)
-            if rank0:
-                stat = metrics.log(step, {
-                    "version": version.value, "reward_mean": rewards.since_last(batch_reward),
-                    "batch_reward_mean": batch_reward, "rollout_wait_s": round(t_rollout, 3),
-                    "train_s": round(t_train, 3), "step_s": round(time.monotonic() - t0, 3),
-                    **prefixed("train", train_stats), **sync_stats, **prefixed("executor", ex.stats),
-                    **prefixed("filter", flt.stats if flt else None),
-                    **(evaluator.maybe_evaluate(step) if evaluator else {})})
-                logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs", step,
-                            stat["reward_mean"], train_stats.get("loss", 0.0), train_stats.get("tokens", 0),
-                            train_stats.get("grad_norm", 0.0), train_stats.get("staleness", 0.0), stat["step_s"],
-                            extra={"progress_step": step})  # advances the console's progress bar
+        if meta:
+            sync.push()  # the servers get the checkpoint's weights at its version before any rollout resumes
+            if owner is not None:
+                owner.restore(meta["rollout"], version.value)
+        engine.set_version(version.value)
+        for step in range(start, cfg.trainer.total_steps):
+            _train_step(step, cfg, engine, sync, version, owner, ctrl)
+            preempt = _any_rank(bool(stop_requested and stop_requested()), ctrl)
+            last = step == cfg.trainer.total_steps - 1
+            if preempt or last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
+                path = _save(step, cfg, engine, sync, version, owner)
+            if preempt:
+                raise Preempted(step, path)
         save_hf_checkpoint(engine.models, cfg.run_dir / "final_hf", src_dir=cfg.model.path)
     destroy_parallel_state()
-    return metrics.history if metrics is not None else []
+    return owner.metrics.history if owner is not None else []
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _train_step(step: int, cfg: RunConfig, engine: Any, sync: Any, version: WeightVersion,
+                owner: Optional[RolloutOwner], ctrl: Any) -> None:
+    """prepare_batch -> DP shares -> train_batch -> sync.push -> metrics (rank 0)."""
+    t0 = time.monotonic()
+    groups = owner.ex.prepare_batch(owner.loader) if owner is not None else None
+    t_rollout = time.monotonic() - t0
+    batch, batch_reward = dp_share(groups, cfg, ctrl)
+    train_stats = engine.train_batch(batch)
+    t_train = time.monotonic() - t0 - t_rollout
+    sync_stats = sync.push()
+    engine.set_version(version.value)
+    if owner is None:
+        return
+    ex, flt = owner.ex, owner.flt
+    stat = owner.metrics.log(step, {
+        "version": version.value, "reward_mean": owner.rewards.since_last(batch_reward),
+        "batch_reward_mean": batch_reward, "rollout_wait_s": round(t_rollout, 3),
+        "train_s": round(t_train, 3), "step_s": round(time.monotonic() - t0, 3),
+        **prefixed("train", train_stats), **sync_stats, **prefixed("executor", ex.stats),
+        **prefixed("filter", flt.stats if flt else None),
+        **(owner.evaluator.maybe_evaluate(step) if owner.evaluator else {})})
+    logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs", step,
+                stat["reward_mean"], train_stats.get("loss", 0.0), train_stats.get("tokens", 0),
+                train_stats.get("grad_norm", 0.0), train_stats.get("staleness", 0.0), stat["step_s"],
+                extra={"progress_step": step})  # advances the console's progress bar
+
+
+def _save(step: int, cfg: RunConfig, engine: Any, sync: Any, version: WeightVersion,
+          owner: Optional[RolloutOwner]) -> Any:
+    from mega_async.checkpoint import save_checkpoint
+
+    t0 = time.monotonic()
+    state, sizes = owner.snapshot(sync) if owner is not None else (None, {})
+    path = save_checkpoint(cfg.run_dir, step, engine, version.value, cfg.parallel.allocation, state,
+                           keep=cfg.trainer.keep_checkpoints, extra=sizes)
+    logger.info("checkpoint %s (%.1fs)", path, time.monotonic() - t0)
+    return path
+
+
+def _from_rank0(obj: Any, group: Any) -> Any:
+    import torch.distributed as dist
+
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
 
 
 def dp_share(groups: Optional[list[dict]], cfg: RunConfig, group: Any = None) -> tuple[dict[str, torch.Tensor], float]:

@@ -54,7 +54,7 @@ class Metrics:
     """Writes `<run_dir>/metrics.jsonl` (and TensorBoard under `<run_dir>/tensorboard`) on the rank that
     owns it; other ranks get a Metrics with `enabled=False` that writes nothing."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True, purge_step: Optional[int] = None):
         self.enabled = enabled
         self.history: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
@@ -68,7 +68,8 @@ class Metrics:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            # after a resume, TensorBoard drops the events of steps >= purge_step that the crashed run wrote
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, stats: dict[str, Any]) -> dict[str, Any]:
         stat = {"step": step, **stats, **gpu_stats(), "elapsed_s": round(time.monotonic() - self.t0, 3)}
@@ -82,6 +83,13 @@ class Metrics:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
         return stat
+
+    def size(self) -> int:
+        """Bytes of metrics.jsonl written so far (a checkpoint records it; a resume truncates back to it)."""
+        if self._file is None:
+            return 0
+        self._file.flush()
+        return self._file.tell()
 
     def close(self) -> None:
         if self._file is not None:

@@ -39,6 +39,7 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
     # the whole tree can be killed if it does not stop in time
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous_usr1 = signal.signal(PREEMPT_SIGNAL, lambda signum, frame: forward_to_ranks(proc.pid, signum))
     try:
         try:
             rc = proc.wait()
@@ -53,7 +54,36 @@ def launch_local(nproc: int, argv: Sequence[str]) -> int:
         return rc
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(PREEMPT_SIGNAL, previous_usr1)
         shutil.rmtree(err_dir, ignore_errors=True)
+
+
+PREEMPT_SIGNAL = signal.SIGUSR1  # "checkpoint at the next step boundary and stop" (Slurm's --signal)
+
+
+def forward_to_ranks(launcher_pid: int, signum: int) -> None:
+    """Send `signum` to torchrun's worker processes (not to torchrun itself, which would die of SIGUSR1)."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        agent = psutil.Process(launcher_pid)
+        for child in agent.children(recursive=False):
+            with contextlib.suppress(psutil.Error):
+                child.send_signal(signum)
+
+
+class PreemptFlag:
+    """Set by PREEMPT_SIGNAL in a trainer rank; the driver checkpoints and stops at the next step boundary."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(PREEMPT_SIGNAL, self._set)
+
+    def _set(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def __call__(self) -> bool:
+        return self.requested
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -111,7 +111,8 @@ class WorkflowExecutor:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
-                    should_accept: AcceptFn | None = None, version: WeightVersion | None = None) -> "WorkflowExecutor":
+                    should_accept: AcceptFn | None = None, version: WeightVersion | None = None,
+                    ledger: Ledger | None = None) -> "WorkflowExecutor":
         return cls(
             engine,
             workflow,
@@ -121,6 +122,7 @@ class WorkflowExecutor:
             should_accept=should_accept,
             version=version,
             max_consecutive_failures=rollout_cfg.max_consecutive_failures,
+            ledger=ledger,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------

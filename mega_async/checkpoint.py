@@ -1,0 +1,355 @@
+"""Run checkpoints: everything a run needs to continue exactly, written atomically.
+
+    <run_dir>/checkpoints/step_<N>/      (written as step_<N>.partial, renamed when complete)
+        model/            Megatron distributed checkpoint: model + optimizer (fully reshardable: any layout)
+        trainer.json      step, weight version, LR schedule, layout
+        rng/rank<R>.pt    Python and torch RNG states of every trainer rank
+        rollout.pt        rank 0: dataset position, staleness counters, every rollout waiting, running (tokens,
+                          logprobs, versions so far) or finished and not consumed; ledger and metrics sizes
+
+Files read back are untrusted: the distributed checkpoint's pickled `.metadata` goes through an unpickler
+that admits only checkpoint-metadata classes, and every torch file is loaded with `weights_only=True`.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+
+logger = logging.getLogger("mega_async.checkpoint")
+
+CKPT_DIR = "checkpoints"
+_SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}  # reloadable at another layout
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (missing, incomplete, or with content we refuse to load)."""
+
+
+# ---- where ------------------------------------------------------------------------------------------
+def checkpoint_path(run_dir: str | Path, step: int) -> Path:
+    return Path(run_dir) / CKPT_DIR / f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a `.partial` directory is a write that did not finish)."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return []
+    found = [d for d in root.iterdir() if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit()
+             and (d / "trainer.json").is_file()]
+    return sorted(found, key=lambda d: int(d.name[5:]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+# ---- untrusted files ----------------------------------------------------------------------------------
+_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                    "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension",
+                    "megatron.core.dist_checkpointing.strategies.torch")
+_ALLOWED_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("builtins", "set"),
+                    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "getattr"), ("torch", "dtype"),
+                    ("torch", "layout"), ("torch", "memory_format"), ("torch._utils", "_rebuild_tensor_v2"),
+                    ("torch.storage", "_load_from_bytes"), ("builtins", "bytearray"), ("datetime", "datetime")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _TORCH_ATTRS:  # dtypes, layouts and memory formats
+            return getattr(torch, name)
+        if (module, name) == ("torch.serialization", "_get_layout"):  # layout from its name
+            return super().find_class(module, name)
+        if (module, name) in _ALLOWED_GLOBALS or any(module == m for m in _ALLOWED_MODULES):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) or (module, name) in _ALLOWED_GLOBALS:
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint-metadata class")
+
+
+_TORCH_ATTRS = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
+                "strided", "contiguous_format", "preserve_format", "float8_e4m3fn", "float8_e5m2", "complex64"}
+
+
+def _safe_getattr(obj: Any, name: str) -> Any:
+    if obj is torch and name in _TORCH_ATTRS:
+        return getattr(torch, name)
+    raise pickle.UnpicklingError(f"getattr({getattr(obj, '__name__', obj)!r}, {name!r}) is not allowed")
+
+
+def check_dist_checkpoint(path: str | Path) -> None:
+    """Refuse a distributed checkpoint whose pickled parts could run code, before any library unpickles them."""
+    p = Path(path)
+    meta = p / ".metadata"
+    if not meta.is_file():
+        raise CheckpointError(f"{p} is not a Megatron distributed checkpoint (no .metadata)")
+    up = _MetadataUnpickler(io.BytesIO(meta.read_bytes()))
+    up.dispatch_table = {}  # type: ignore[attr-defined]
+    orig = up.find_class
+
+    def find(module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _safe_getattr
+        return orig(module, name)
+
+    up.find_class = find  # type: ignore[method-assign]
+    try:
+        up.load()
+    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError, ImportError) as e:
+        raise CheckpointError(f"{meta}: refused to load: {e} (a checkpoint's metadata may hold only checkpoint "
+                              "classes; this file was not written by torch.distributed.checkpoint or was tampered "
+                              "with)") from None
+    for f in [p / "common.pt", *p.glob("*.pt")]:
+        if f.is_file():
+            _safe_torch_load(f)
+
+
+def _safe_torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: refused to load: {first[:300]} (only tensors and plain containers are "
+                              "accepted)") from None
+
+
+# ---- model + optimizer ----------------------------------------------------------------------------------
+def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict:
+    """{"model": ...} (or "model<i>" per virtual pipeline chunk), the Megatron way."""
+    if len(models) == 1:
+        return {"model": models[0].sharded_state_dict()}
+    from megatron.core import parallel_state as mpu
+
+    out = {}
+    for i, m in enumerate(models):
+        mpu.set_virtual_pipeline_model_parallel_rank(i)
+        out[f"model{i}"] = m.sharded_state_dict()
+    mpu.set_virtual_pipeline_model_parallel_rank(0)
+    return out
+
+
+def _train_state_dict(engine: Any, loading: bool) -> dict:
+    if loading:  # a fresh optimizer has no Adam state yet to load into: create it (the checkpoint overwrites it)
+        for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+            if not opt.optimizer.state and hasattr(opt, "_init_optimizer_states_with_dummy_values"):
+                opt._init_optimizer_states_with_dummy_values()
+    sd = model_sharded_state_dict(engine.models)
+    model_sd = {k: v for k, v in sd.items()}
+    sd["optimizer"] = engine.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_SHARDING)
+    return sd
+
+
+def _rng_state() -> dict[str, Any]:
+    st = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        st["cuda"] = torch.cuda.get_rng_state()
+    return st
+
+
+def _set_rng_state(st: dict[str, Any]) -> None:
+    random.setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in st["python"]))
+    torch.set_rng_state(st["torch"])
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state(st["cuda"])
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def save_checkpoint(run_dir: str | Path, step: int, engine: Any, version: int, allocation: str,
+                    rollout_state: Optional[dict] = None, keep: int = 2, extra: Optional[dict] = None) -> Path:
+    """Every trainer rank calls it after step `step` (and its weight sync); rank 0 passes the rollout state.
+    The directory appears under its final name only when every part is written."""
+    from megatron.core import dist_checkpointing
+
+    final = checkpoint_path(run_dir, step)
+    tmp = final.with_name(final.name + ".partial")
+    rank = _rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "model").mkdir(parents=True)
+        (tmp / "rng").mkdir()
+    _barrier()
+    dist_checkpointing.save(_train_state_dict(engine, loading=False), str(tmp / "model"))
+    torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    if rank == 0:
+        if rollout_state is not None:
+            torch.save(rollout_state, tmp / "rollout.pt")
+        meta = {"step": step, "version": version, "allocation": allocation,
+                "scheduler": engine.scheduler.state_dict(), "world_size": _world(),
+                "optimizers": _n_optimizers(engine), **(extra or {})}
+        _write_json(tmp / "trainer.json", meta)  # last: its presence marks the parts as complete
+    _barrier()
+    if rank == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+        prune_checkpoints(run_dir, keep)
+    _barrier()
+    return final
+
+
+def load_checkpoint(path: str | Path, engine: Any) -> dict[str, Any]:
+    """Load model, optimizer, LR schedule and (same world size) RNG states into `engine` on every rank; returns
+    trainer.json's content plus `rollout` (rank 0, when saved)."""
+    from megatron.core import dist_checkpointing
+
+    p = Path(path)
+    meta_file = p / "trainer.json"
+    if not meta_file.is_file():
+        raise CheckpointError(f"{p} is not a complete checkpoint (no trainer.json)")
+    meta = json.loads(meta_file.read_text())
+    check_dist_checkpoint(p / "model")
+    if meta.get("optimizers", 1) != _n_optimizers(engine):
+        raise CheckpointError(f"{p} was written at {meta.get('allocation')}, whose optimizer has "
+                              f"{meta.get('optimizers')} parts (dense, experts); this layout's has {_n_optimizers(engine)}: "
+                              "resume with expert parallelism on (e > 1) or off on both sides")
+    # the config's schedule wins (e.g. a larger trainer.total_steps); the step count comes from the checkpoint
+    engine.scheduler.override_opt_param_scheduler, engine.scheduler.use_checkpoint_opt_param_scheduler = True, False
+    state = dist_checkpointing.load(_train_state_dict(engine, loading=True), str(p / "model"))
+    for key, m in zip(sorted(k for k in state if k.startswith("model")), engine.models):
+        m.load_state_dict(state[key], strict=False)
+    with _torch_adam_step_fix(engine.optimizer):
+        engine.optimizer.load_state_dict(state["optimizer"])
+    engine.scheduler.load_state_dict(meta["scheduler"])
+    rng = p / "rng" / f"rank{_rank()}.pt"
+    if meta.get("world_size") == _world() and rng.is_file():
+        _set_rng_state(_safe_torch_load(rng))
+    else:
+        logger.info("checkpoint written at %s ranks, resuming at %s: RNG states start fresh", meta.get("world_size"),
+                    _world())
+    if _rank() == 0 and (p / "rollout.pt").is_file():
+        meta["rollout"] = _safe_torch_load(p / "rollout.pt")
+    return meta
+
+
+@contextlib.contextmanager
+def _torch_adam_step_fix(optimizer: Any) -> Iterator[None]:
+    """Two Megatron-Core 0.16 bugs with torch's Adam (no Apex/TE) when loading a `fully_reshardable` optimizer
+    state: Adam's "step" is left out of the per-parameter tensors (it comes from the param groups) and then
+    indexed (KeyError): during the load, copy only the tensors the checkpoint has; and every parameter's state
+    gets the *same* step tensor, which Adam's in-place increment then advances once per parameter (wrong bias
+    correction from the next step on): give each its own copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    orig = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_present(self: Any, model_param: Any, tensors: dict) -> None:
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig(self, model_param, tensors)
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            dst[key].copy_(value)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_present  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DistributedOptimizer._set_main_param_and_optimizer_states = orig  # type: ignore[method-assign]
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for st in opt.optimizer.state.values():
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
+
+
+def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    found = complete_checkpoints(run_dir)
+    for d in found[:-keep] if keep > 0 else []:
+        shutil.rmtree(d, ignore_errors=True)
+    for d in (Path(run_dir) / CKPT_DIR).glob("*.partial"):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _n_optimizers(engine: Any) -> int:
+    return len(getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]))
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+# ---- the run directory ----------------------------------------------------------------------------------
+RUN_FILES = ("metrics.jsonl", "rollouts.jsonl", CKPT_DIR, "weights", "final_hf")
+
+
+def resume_point(run_dir: str | Path, mode: str) -> Optional[Path]:
+    """The checkpoint to continue from under `trainer.resume=mode`, or None for a fresh start. Raises
+    CheckpointError (one line) when starting would mix two runs or `require` finds no checkpoint."""
+    d = Path(run_dir)
+    latest = latest_checkpoint(d)
+    used = [f for f in RUN_FILES if (d / f).exists()]
+    if mode == "never" and used:
+        raise CheckpointError(f"run directory {d} already holds a run ({', '.join(used)}): pass --resume (or "
+                              "trainer.resume=auto) to continue it, or choose another trial_name")
+    if mode == "require" and latest is None:
+        raise CheckpointError(f"--resume: no complete checkpoint under {d / CKPT_DIR} (trainer.save_interval "
+                              "sets how often they are written)")
+    return latest
+
+
+def reset_run_dir(run_dir: str | Path, checkpoint: Optional[Path]) -> None:
+    """Before a (re)start on rank 0: cut metrics and ledger back to what the checkpoint saw (everything after
+    it is redone), drop weight versions newer than it and unfinished checkpoint writes."""
+    from mega_async.rollout.ledger import Ledger
+
+    d = Path(run_dir)
+    sizes = {"metrics.jsonl": 0, "rollouts.jsonl": 0}
+    version = 0
+    if checkpoint is not None:
+        meta = json.loads((checkpoint / "trainer.json").read_text())
+        sizes = {"metrics.jsonl": meta["metrics_bytes"], "rollouts.jsonl": meta["ledger_bytes"]}
+        version = meta["version"]
+    for name, size in sizes.items():
+        Ledger.truncate(d / name, size)
+    for w in (d / "weights").glob("v*"):
+        if w.is_dir() and (not w.name[1:].isdigit() or int(w.name[1:]) > version or checkpoint is None):
+            shutil.rmtree(w, ignore_errors=True)
+    shutil.rmtree(d / "final_hf", ignore_errors=True)
+    for p in (d / CKPT_DIR).glob("*.partial"):
+        shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,68 @@
+"""Checkpoints of the trainer: model, optimizer, LR schedule and RNG survive a save and a load, at the same
+layout and at another one; crafted pickles in a checkpoint are refused before anything unpickles them."""
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from mega_async.checkpoint import CheckpointError, check_dist_checkpoint, latest_checkpoint
+from mega_async.model_cards import TINY_MOE, init_random_weights
+from tests.dist.test_engine import torchrun
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    return init_random_weights(TINY_MOE, tmp_path_factory.mktemp("ck") / "moe", seed=0)
+
+
+def run(mode, moe, layout, nproc, run_dir, out):
+    torchrun("checkpoint_worker.py", nproc, "--mode", mode, "--model", str(moe), "--layout", layout,
+             "--run-dir", str(run_dir), "--out", str(out))
+    return load_file(str(out / "weights.safetensors")), json.loads((out / "stats.json").read_text())
+
+
+def max_diff(a, b):
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("save_layout, save_n, load_layout, load_n", [
+    ("megatron:d1", 1, "megatron:d1", 1),
+    ("megatron:t2", 2, "megatron:d1", 1),  # another layout: TP2 -> one rank
+    ("megatron:d2e2", 2, "megatron:d2e2", 2),  # DP2 x EP2: dense and expert optimizers
+], ids=["same-layout", "tp2-to-1", "ep2dp2"])
+def test_resume_equals_an_uninterrupted_run(moe, tmp_path, save_layout, save_n, load_layout, load_n):
+    run_dir = tmp_path / "run"
+    cont_w, cont = run("save", moe, save_layout, save_n, run_dir, tmp_path / "continuous")
+    ckpt = latest_checkpoint(run_dir)
+    assert ckpt is not None and ckpt.name == "step_00000000" and not list(ckpt.parent.glob("*.partial"))
+    res_w, res = run("load", moe, load_layout, load_n, run_dir, tmp_path / "resumed")
+    assert res["lr"] == pytest.approx(cont["lr"], rel=1e-9)  # the LR schedule continued (warmup + cosine)
+    tol = 1e-6 if save_layout == load_layout else 2e-5
+    assert max_diff(res_w, cont_w) < tol  # Adam moments restored: the same update as without the restart
+    if save_layout == load_layout:
+        assert res["draw"] == cont["draw"]  # RNG states restored
+
+
+def test_a_resume_that_would_split_the_optimizer_differently_is_refused(moe, tmp_path):
+    run_dir = tmp_path / "run"
+    run("save", moe, "megatron:d2e2", 2, run_dir, tmp_path / "o")
+    with pytest.raises(AssertionError, match=r"CheckpointError: .*optimizer has 2 parts .*this layout's has 1"):
+        run("load", moe, "megatron:d1", 1, run_dir, tmp_path / "r")
+
+
+def test_crafted_pickles_are_refused(moe, tmp_path):
+    run_dir = tmp_path / "run"
+    run("save", moe, "megatron:d1", 1, run_dir, tmp_path / "o")
+    model = latest_checkpoint(run_dir) / "model"
+    check_dist_checkpoint(model)  # a genuine checkpoint passes
+
+    class Evil:
+        def __reduce__(self):
+            return (exec, ("open('/tmp/pwned_by_checkpoint', 'w').write('x')",))
+
+    (model / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to load: builtins\.exec is not a checkpoint"):
+        check_dist_checkpoint(model)
+    assert not Path("/tmp/pwned_by_checkpoint").exists()
