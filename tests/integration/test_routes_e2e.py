@@ -84,3 +84,33 @@ def test_interrupted_request_keeps_each_tokens_routes(routed_server, hf_models, 
     assert routes[:cut].equal(old[:cut])  # generated before the update: the old weights' routes, kept
     assert routes[cut:].equal(new[cut:])  # generated after it: the new weights' routes
     assert not old[:cut].equal(new[:cut])  # (the two versions do route differently)
+
+
+@pytest.mark.slow  # a 3-step driver run: about two minutes on 2 loaded cores
+def test_driver_trains_with_routing_replay(tmp_path):
+    """`mega-async train` with algorithm.routing_replay=true and a bfloat16 server: routes flow from the server
+    through the rollouts into every training step, whose forward uses the rollout's experts on every token."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_train_driver import ROOT, leftovers, train_cmd
+
+    from mega_async.model_cards import TINY_MOE, init_random_weights
+
+    model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=2)
+    cmd = train_cmd(model, tmp_path, "sglang:d1+megatron:d1", "algorithm.routing_replay=true",
+                    "inference.extra_args=[--dtype,bfloat16]", "trainer.verify_sync_tol=0.05")  # bf16 server
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-6000:]
+    steps = [json.loads(x) for x in (tmp_path / "runs" / "tiny_cpu" / "run0" / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 3
+    measured = [s for s in steps if s.get("train/mismatch/current_tokens", 0) > 0]
+    assert measured, "no step had tokens from the current version"
+    for s in measured:
+        assert s["train/mismatch/route_set_frac"] == 0.0 and "train/mismatch/route_set_frac/layer0" in s
+        assert 0 < s["train/mismatch/logprob_abs_mean"] <= s["train/mismatch/logprob_abs_max"]  # bf16 vs fp32
+    assert not leftovers(tmp_path)
