@@ -59,7 +59,7 @@ class OpenAIEndpoints:
             v = req.get(k)
             if v not in (None, False, [], {}, "") and not (k == "response_format" and v == {"type": "text"}):
                 raise OpenAIError(f"{k}: {what} is not supported by the embedded server")
-        if (req.get("best_of") or 1) != (req.get("n") or 1):
+        if req.get("best_of") is not None and req["best_of"] != (req.get("n") or 1):
             raise OpenAIError("best_of different from n is not supported by the embedded server")
         sp = {k: req[k] for k in PASSTHROUGH if req.get(k) is not None}
         max_tokens = req.get("max_completion_tokens") if chat else None
