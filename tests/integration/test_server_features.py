@@ -48,6 +48,7 @@ def test_n_samples_share_one_prefill(server, hf_models):
     assert again["meta_info"]["cached_tokens"] == len(PROMPT) - 1
 
 
+@pytest.mark.slow
 def test_sampling_controls(server):
     addr = server.addresses[0]
     sp = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 1234}
@@ -82,6 +83,7 @@ def test_stream_is_sse_with_cumulative_chunks(server):
     assert chunks[-1]["output_ids"] == final["output_ids"] and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
 
 
+@pytest.mark.slow
 def test_flush_while_paused_versions_and_info(server, weights_root):
     addr = server.addresses[0]
     res = {}

@@ -72,6 +72,7 @@ async def _storm(addr: str, weights_root, cycles: int, clients: int, seed: int =
     return results
 
 
+@pytest.mark.slow
 def test_pauses_while_requests_arrive_label_every_token_with_its_weights(server, hf_models, weights_root):
     """Requests keep arriving while the weights flip v0 <-> v1 under abort and retract pauses (version k = weights
     v{k%2}); every returned token's logprob must equal the one its labelled version's weights give from a fresh
