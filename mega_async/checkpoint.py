@@ -230,7 +230,10 @@ def load_checkpoint(path: str | Path, engine: Any) -> dict[str, Any]:
     engine.scheduler.override_opt_param_scheduler, engine.scheduler.use_checkpoint_opt_param_scheduler = True, False
     state = dist_checkpointing.load(_train_state_dict(engine, loading=True), str(p / "model"))
     for key, m in zip(sorted(k for k in state if k.startswith("model")), engine.models):
-        m.load_state_dict(state[key], strict=False)
+        res = m.load_state_dict(state[key], strict=False)  # Transformer Engine's _extra_state may be absent
+        missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
+        if missing:
+            raise CheckpointError(f"{p}: the checkpoint lacks {len(missing)} weights of this model, e.g. {missing[0]}")
     with _torch_adam_step_fix(engine.optimizer):
         engine.optimizer.load_state_dict(state["optimizer"])
     engine.scheduler.load_state_dict(meta["scheduler"])

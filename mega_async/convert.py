@@ -16,9 +16,9 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-import torch
+from mega_async.checkpoint import check_dist_checkpoint, model_sharded_state_dict
 
 logger = logging.getLogger("mega_async.convert")
 
@@ -41,19 +41,6 @@ def _barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-
-
-def _sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict:
-    if len(models) == 1:
-        return {"model": models[0].sharded_state_dict()}
-    from megatron.core import parallel_state as mpu
-
-    out = {}
-    for i, m in enumerate(models):
-        mpu.set_virtual_pipeline_model_parallel_rank(i)
-        out[f"model{i}"] = m.sharded_state_dict()
-    mpu.set_virtual_pipeline_model_parallel_rank(0)
-    return out
 
 
 def _copy_model_files(src: Path, dst: Path) -> None:
@@ -83,7 +70,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
         tmp.mkdir(parents=True)
     _barrier()
     logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
-    dist_checkpointing.save(_sharded_state_dict(models), str(tmp))
+    dist_checkpointing.save(model_sharded_state_dict(models), str(tmp))
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     count = len(_SafetensorsDir(src).names())
     if _rank() == 0:
@@ -109,9 +96,10 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) 
         raise ConvertError(f"{src} is not a checkpoint written by hf-to-mcore (no {META})")
     meta = json.loads(meta_path.read_text())
     allocation = allocation or "megatron:d1"
+    check_dist_checkpoint(src)  # its pickled parts could run code: refuse anything but checkpoint classes
     t0 = time.monotonic()
     models = build_model(src / HF_SUBDIR, allocation)
-    state = dist_checkpointing.load(_sharded_state_dict(models), str(src))
+    state = dist_checkpointing.load(model_sharded_state_dict(models), str(src))
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for k, m in zip(keys, models):
         m.load_state_dict(state[k], strict=False)
@@ -134,6 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     b.add_argument("--allocation", default=None, help="layout to load at (default: one rank)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from mega_async.checkpoint import CheckpointError
     from mega_async.trainer.parallel import AllocationError
 
     try:
@@ -141,7 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             stats = hf_to_mcore(args.hf, args.out, args.allocation)
         else:
             stats = mcore_to_hf(args.mcore, args.out, args.allocation)
-    except (ConvertError, AllocationError, FileNotFoundError, KeyError, ValueError) as e:
+    except (ConvertError, CheckpointError, AllocationError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)
         return 2
     from mega_async.trainer.parallel import destroy_parallel_state
