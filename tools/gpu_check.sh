@@ -81,8 +81,11 @@ elif [ -z "$GPU" ]; then
 else
   if have megatron.core; then
     run gpu-tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests
-    if grep -q "no tests ran\|0 selected" "$LOG/gpu-tests.log"; then SUMMARY[-1]="$(printf '%-12s %-5s %s' gpu-tests SKIP 'no GPU-marked tests collected')"; fi
-    if have transformer_engine; then note="local + te specs"; else note="local spec only: transformer-engine not installed"; fi
+    if grep -q "no tests ran\|0 selected" "$LOG/gpu-tests.log"; then
+      SUMMARY[-1]="$(printf '%-12s %-5s %s' gpu-tests SKIP 'no GPU-marked tests collected')"
+    fi
+    note="local + te specs"
+    have transformer_engine || note="local spec only: transformer-engine not installed"
     run parity 100 "$PY" tools/gpu_parity.py
     SUMMARY[-1]="${SUMMARY[-1]} ($note)"
     run train-step 170 "$PY" tools/bench_gpu.py train-step
