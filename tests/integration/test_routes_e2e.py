@@ -36,6 +36,7 @@ def hf_topk(model, ids: list[int]) -> torch.Tensor:
     return torch.stack(seen, 1).reshape(len(ids), -1).int()
 
 
+@pytest.mark.slow  # a server of its own (the default suite's budget); tests/unit/test_routes.py covers the merging
 def test_routes_equal_the_transformers_router(routed_server, hf_models):
     client = SGLangClient(routed_server.addresses)
 
@@ -54,6 +55,7 @@ def test_routes_equal_the_transformers_router(routed_server, hf_models):
     assert traj["routed_experts"].shape[:2] == traj["versions"].shape
 
 
+@pytest.mark.slow
 def test_interrupted_request_keeps_each_tokens_routes(routed_server, hf_models, weights_root):
     """A request cut after 12 tokens at v0, the servers updated to v1, then resumed by the client (the path an
     abort-mode pause takes; deterministic here): rows before the switch keep v0's routes, the rest are v1's."""
