@@ -166,3 +166,16 @@ def test_workflow_and_objective_keys_are_validated(overrides, needle):
 
     with pytest.raises(ConfigError, match=needle):
         load_config(overrides=overrides)
+
+
+def test_code_multiturn_config_wires_the_workflow_reward_and_objective(tok):
+    from mega_async.config import load_config
+    from mega_async.loop import reward_for
+    from mega_async.reward.code import code_reward
+    from mega_async.rollout.workflow import make_workflow
+
+    cfg = load_config("configs/code_multiturn_cpu.yaml")
+    assert reward_for(cfg) is code_reward
+    wf = make_workflow(cfg, tok, reward_for(cfg))
+    assert isinstance(wf, MultiTurnWorkflow) and (wf.max_turns, wf.turn_discount) == (3, 0.9)
+    assert (cfg.algorithm.imp_weight_mode, list(cfg.algorithm.imp_weight_bounds)) == ("icepop", [0.5, 5.0])
