@@ -120,7 +120,7 @@ ma_supervise() {
     pid=""
     wait -n -p pid "${MA_PID[@]}"
     rc=$?
-    [ -n "$pid" ] || continue  # a trapped signal interrupted the wait
+    [ -n "${pid:-}" ] || continue  # a trapped signal interrupted the wait (and may leave pid unset)
     done_name=""
     for name in "${!MA_PID[@]}"; do [ "${MA_PID[$name]}" = "$pid" ] && done_name=$name; done
     [ -n "$done_name" ] || continue
