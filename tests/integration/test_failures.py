@@ -100,3 +100,36 @@ def test_server_answering_500_is_dropped_although_health_answers(server):
         with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: /generate answered 500"):
             ex.prepare_batch(ITEMS)
     assert time.monotonic() - t0 < 10  # not the 60 s unhealthy_timeout: a dropped server never comes back
+
+
+@pytest.mark.slow
+def test_driver_stops_when_its_only_server_dies(tmp_path):
+    """Killing the only server mid-run ends `mega-async train` within unhealthy_timeout, with one line naming it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(root / "configs" / "tiny_cpu.yaml"),
+           f"logging.root_dir={tmp_path}", "trainer.total_steps=50", "inference.unhealthy_timeout=5",
+           "logging.tensorboard=false"]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    metrics = tmp_path / "tiny_cpu" / "run0" / "metrics.jsonl"
+    deadline = time.monotonic() + 600
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    servers = [c for c in psutil.Process(p.pid).children(recursive=True)
+               if "mega_async.inference.server" in " ".join(c.cmdline())]
+    assert len(servers) == 1
+    servers[0].kill()
+    t0 = time.monotonic()
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 1
+    assert time.monotonic() - t0 < 5 + 60  # unhealthy_timeout plus one step's work, not a hang
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("mega-async train: ") and "127.0.0.1" in line, err[-2000:]
