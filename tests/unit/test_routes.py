@@ -81,3 +81,16 @@ def test_journal_keeps_routes_through_copies_and_checkpoints():
     assert out.routed_experts.equal(torch.arange(6, dtype=torch.int32).reshape(3, 2))
     back = CallRecord.restore(journal.records[0].snapshot())
     assert back.response.routed_experts.equal(out.routed_experts)
+
+
+def test_routes_need_servers_that_return_them():
+    from mega_async.config import ConfigError, load_config
+
+    for key in ("algorithm.routing_replay=true", "rollout.return_routed_experts=true"):
+        with pytest.raises(ConfigError, match="inference.backend=simulated has none"):
+            load_config(None, [key, "inference.backend=simulated"])
+    cfg = load_config(None, ["algorithm.routing_replay=true"])
+    from mega_async.inference.service import _extra_args
+
+    assert "--enable-return-routed-experts" in _extra_args(cfg)  # servers the run launches return them
+    assert "--enable-return-routed-experts" not in _extra_args(load_config(None, []))
