@@ -23,7 +23,7 @@ def sbatch_header(plan: JobPlan, cfg: RunConfig, run_dir: Path, *, partition: Op
                   requeue: bool, job_name: str) -> list[str]:
     h = [f"--job-name={job_name}", f"--nodes={plan.nodes}", f"--ntasks-per-node={plan.gpus_per_node}",
          f"--output={run_dir}/logs/slurm-%j.out", f"--signal=B:USR1@{cfg.launch.preempt_signal_s}",
-         "--requeue" if requeue else "--no-requeue"]
+         "--requeue" if requeue else "--no-requeue", "--open-mode=append"]  # append: a requeued run keeps the log
     if plan.gpu:  # CPU-only runs (the embedded backend) ask for no GPUs: no --gres, no exclusive nodes
         h += [f"--gpus-per-node={plan.gpus_per_node}", "--exclusive"]
     if partition:

@@ -70,7 +70,12 @@ def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
     """Write `<run_dir>/slurm/job.sbatch` and sbatch it; returns (job id, script path)."""
     from mega_async.model_cards import has_weights, init_random_weights
 
+    from mega_async.checkpoint import resume_point
+
     run_dir = (workdir / cfg.run_dir).resolve()
+    # the first run of the job starts under trainer.resume (requeued runs add trainer.resume=auto): a run
+    # directory that already holds another run is refused here, before anything is submitted
+    resume_point(run_dir, cfg.trainer.resume)
     if not has_weights(cfg.model.path):
         if cfg.inference.backend == "sglang":
             raise LaunchError(f"model.path={cfg.model.path} has a config but no weights: download the checkpoint "
@@ -96,6 +101,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("usage: mega-async launch slurm -c CONFIG --nodes N --gpus-per-node G [--dry-run] [overrides]",
               file=sys.stderr)
         return 2
+    from mega_async.checkpoint import CheckpointError
+
     args = parser().parse_args(argv[1:])
     workdir = Path.cwd()
     try:
@@ -104,7 +111,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(script, end="")
             return 0
         job, path = submit(cfg, script, workdir)
-    except (ConfigError, AllocationError, LaunchError, FileNotFoundError) as e:
+    except (ConfigError, AllocationError, LaunchError, FileNotFoundError, CheckpointError) as e:
         print(f"mega-async launch slurm: {e}", file=sys.stderr)
         return 2
     run_dir = (workdir / cfg.run_dir).resolve()

@@ -82,3 +82,20 @@ def test_requeue_follows_the_resume_path(capsys):
         assert rc == 0 and "#SBATCH --requeue" in script and "REQUEUE=1" in script
     else:  # no resume path yet: refused before anything is submitted
         assert rc == 2 and "--requeue resumes through trainer.resume" in err
+
+
+def test_submit_refuses_before_sbatch(tmp_path, capsys):
+    """Checked before anything is submitted: a run directory holding another run, a GPU card without weights."""
+    run = tmp_path / "runs" / "gsm8k_tiny_cpu" / "run0"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    rc = main(["launch", "slurm", "-c", str(ROOT / "configs" / "gsm8k_tiny_cpu.yaml"), "--nodes", "1",
+               "--gpus-per-node", "2", f"logging.root_dir={tmp_path / 'runs'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "already holds a run" in err and "\n" not in err
+    assert not (run / "slurm").exists()
+    rc = main(["launch", "slurm", "-c", str(ROOT / "configs" / "qwen3_30b_a3b_gsm8k_2x8.yaml"),
+               f"logging.root_dir={tmp_path / 'gpu'}"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "has a config but no weights: download the checkpoint there" in err
+    assert not (tmp_path / "gpu").exists()
