@@ -113,8 +113,9 @@ def summarize(history: Sequence[dict], reward_threshold: float = 0.8, tail: int 
         "staleness_max": max(hist) if hist else None,
     }
     if step_s > 0:
-        other = max(0.0, step_s - wait - train - sync)
-        out["split"] = {k: v / step_s for k, v in
+        other = max(0.0, step_s - wait - train - sync)  # timings are rounded: parts may pass step_s a little
+        total = wait + train + sync + other
+        out["split"] = {k: v / total for k, v in
                         (("rollout_wait", wait), ("train", train), ("sync", sync), ("other", other))}
     return out
 
