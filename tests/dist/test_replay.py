@@ -1,8 +1,9 @@
 """Routing replay (R3) in the train engine on gloo. Rollout routes come from a transformers forward on the same
 tokens: with the same weights the trainer's own routing equals them on every token (so routes line up with
 positions and layers); routes from perturbed routers differ, and with replay on the trainer routes every token
-to the rollout's experts, which changes its logprobs. At EP2, PP2 and TP2 the replayed logprobs, the
-agreement counts and one replayed PPO step equal the single rank's."""
+to the rollout's experts, which changes its logprobs. At EP2, PP2, PP2 x VPP2 and TP2 the replayed logprobs, the
+agreement counts and one replayed PPO step equal the single rank's; with VPP2 each virtual chunk replays its
+own layer."""
 import json
 import sys
 from pathlib import Path
@@ -51,8 +52,8 @@ def test_replay_makes_the_trainer_route_like_the_rollout(moe, single):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout, nproc", [("megatron:d2e2", 2), ("megatron:p2", 2), ("megatron:t2", 2)],
-                         ids=["ep2-dp2", "pp2", "tp2"])
+@pytest.mark.parametrize("layout, nproc", [("megatron:d2e2", 2), ("megatron:p2", 2), ("megatron:p2v2", 2),
+                                          ("megatron:t2", 2)], ids=["ep2-dp2", "pp2", "pp2-vpp2", "tp2"])
 def test_replay_parity(moe, single, tmp_path, layout, nproc):
     (s1, lp1, w1), (s, lp, w) = single, run(moe, layout, nproc, tmp_path)
     for case in ("same_off", "foreign_off", "foreign_on"):
