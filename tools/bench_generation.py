@@ -6,10 +6,15 @@ Scenario "varied": RL-like long-tailed output lengths (lognormal, mean about `--
 capped at 4x): generate() must run each batch until its longest sequence ends, the server
 retires finished rows and admits waiting requests in their place (`--batch` running at a time,
 `--requests` in all). Throughput counts useful tokens only.
+Scenario "group": GRPO groups, `--group-size` samples of each of `--groups` long prompts
+(`--group-prompt-len` tokens), all sent at once: the server with its prefix cache (one prefill per
+group, the other samples join from the cached KV) against the same server with --disable-radix-cache,
+started one after the other in the same run (alternating, twice each).
 The server is started by the launcher and driven over HTTP by the real client (all requests
 concurrent), so its figures include HTTP and batching overheads.
 
     python tools/bench_generation.py --batch 32 --new-tokens 128
+    python tools/bench_generation.py --scenario group --group-size 8
 """
 from __future__ import annotations
 
@@ -46,8 +51,10 @@ def bench_hf(model_dir: Path, prompts: list[list[int]], lengths: list[int], batc
     return sum(lengths) / dt
 
 
-def bench_server(model_dir: Path, prompts: list[list[int]], lengths: list[int], batch: int) -> float:
-    spec = ServerSpec("embedded", str(model_dir), num_servers=1, extra_args=["--max-running-requests", str(batch)])
+def bench_server(model_dir: Path, prompts: list[list[int]], lengths: list[int], batch: int,
+                 extra: tuple[str, ...] = ()) -> float:
+    spec = ServerSpec("embedded", str(model_dir), num_servers=1,
+                      extra_args=["--max-running-requests", str(batch), *extra])
     with ServerLauncher(spec, startup_timeout=120) as launcher:
         client = SGLangClient(launcher.addresses)
 
@@ -63,6 +70,24 @@ def bench_server(model_dir: Path, prompts: list[list[int]], lengths: list[int], 
         return asyncio.run(run(prompts, lengths))
 
 
+def bench_groups(model_dir: Path, args: argparse.Namespace) -> dict:
+    """Generation tok/s for GRPO groups with the prefix cache against no sharing, same prompts, same run."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(1, 1000, (args.groups, args.group_prompt_len), generator=g).tolist()
+    prompts = [p for p in base for _ in range(args.group_size)]
+    lengths = [args.group_new_tokens] * len(prompts)
+    batch = len(prompts)
+    runs: dict[str, list[float]] = {"shared": [], "no_sharing": []}
+    for _ in range(2):
+        runs["no_sharing"].append(bench_server(model_dir, prompts, lengths, batch, ("--disable-radix-cache",)))
+        runs["shared"].append(bench_server(model_dir, prompts, lengths, batch))
+    shared, plain = sum(runs["shared"]) / 2, sum(runs["no_sharing"]) / 2
+    return {"groups": args.groups, "group_size": args.group_size, "prompt_len": args.group_prompt_len,
+            "new_tokens": args.group_new_tokens, "prefix_cache_tok_per_s": round(shared),
+            "no_sharing_tok_per_s": round(plain), "ratio": round(shared / plain, 2),
+            "runs": {k: [round(x) for x in v] for k, v in runs.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=32)
@@ -70,6 +95,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--requests", type=int, default=128, help="requests in the varied scenario")
     ap.add_argument("--model", default=None, help="HF model dir (default: tiny-qwen3-moe, random init)")
+    ap.add_argument("--scenario", choices=("batching", "group", "all"), default="all")
+    ap.add_argument("--groups", type=int, default=8, help="distinct prompts in the group scenario")
+    ap.add_argument("--group-size", type=int, default=8, help="samples per prompt in the group scenario")
+    ap.add_argument("--group-prompt-len", type=int, default=1024)
+    ap.add_argument("--group-new-tokens", type=int, default=32)
     args = ap.parse_args()
     model_dir = Path(args.model) if args.model else init_random_weights(TINY_MOE, Path(tempfile.mkdtemp()) / "m", seed=0)
     torch.manual_seed(0)
@@ -80,7 +110,10 @@ def main() -> None:
     varied = varied.clamp(4, 4 * args.new_tokens).round().long().tolist()
     fixed = [args.new_tokens] * args.batch
     res: dict = {"batch": args.batch, "new_tokens": args.new_tokens, "requests_varied": args.requests}
-    for name, ps, ks in (("fixed", prompts[:args.batch], fixed), ("varied", prompts, varied)):
+    if args.scenario in ("group", "all"):
+        res["group"] = bench_groups(model_dir, args)
+    scenarios = (("fixed", prompts[:args.batch], fixed), ("varied", prompts, varied))
+    for name, ps, ks in scenarios if args.scenario != "group" else ():
         server = bench_server(model_dir, ps, ks, args.batch)
         hf = bench_hf(model_dir, ps, ks, args.batch)
         res[name] = {"embedded_server_tok_per_s": round(server), "transformers_generate_tok_per_s": round(hf),
