@@ -289,26 +289,32 @@ class GenerationEngine:
                 seen.add(key)
         if misses:
             self._prefill(misses)
+        joined, refill = [], []
         for r in hits + later:
             kv = cache.get(tuple(r.seq[:-1])) if cache.enabled else None
-            if kv is None:
-                self._prefill([r])
-            else:
-                self._join_cached(r, kv)
+            (refill.append(r) if kv is None else joined.append((r, kv)))
+        if joined:
+            self._join_cached(joined)
+        if refill:  # evicted meanwhile
+            self._prefill(refill)
 
-    def _join_cached(self, r: GenRequest, kv: list) -> None:
-        """Add a row whose KV for seq[:-1] is cached: its next forward is the last prompt token."""
+    def _join_cached(self, joined: list[tuple[GenRequest, list]]) -> None:
+        """Add rows whose KV for seq[:-1] is cached, in one merge: their next forward is the last prompt token."""
         from transformers import DynamicCache
 
-        c = DynamicCache(config=self.model.config)
-        for li, (k, v) in enumerate(kv):
-            c.update(k.clone(), v.clone(), li)
-        n = len(r.seq) - 1
-        r.cached_tokens = n
-        r.prefilled = True
         dev = self.device
-        self._merge([r], c, torch.ones(1, n, dtype=torch.long, device=dev), torch.tensor([n], device=dev),
-                    torch.tensor([r.seq[-1]], device=dev))
+        lengths = [len(r.seq) - 1 for r, _ in joined]
+        L = max(lengths)
+        c = DynamicCache(config=self.model.config)
+        for li in range(len(joined[0][1])):
+            k = torch.cat([F.pad(kv[li][0], (0, 0, L - n, 0)) for (_, kv), n in zip(joined, lengths)])
+            v = torch.cat([F.pad(kv[li][1], (0, 0, L - n, 0)) for (_, kv), n in zip(joined, lengths)])
+            c.update(k, v, li)
+        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=dev)
+        for (r, _), n in zip(joined, lengths):
+            r.cached_tokens, r.prefilled = n, True
+        self._merge([r for r, _ in joined], c, mask, torch.tensor(lengths, device=dev),
+                    torch.tensor([r.seq[-1] for r, _ in joined], device=dev))
 
     @torch.no_grad()
     def _prefill(self, reqs: list[GenRequest]) -> None:
