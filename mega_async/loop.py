@@ -257,6 +257,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
             if owner is not None:
                 owner.restore(meta["rollout"], version.value)
         engine.set_version(version.value)
+        preempt = False
         for step in range(start, cfg.trainer.total_steps):
             _train_step(step, cfg, engine, sync, version, owner, ctrl)
             preempt = _any_rank(bool(stop_requested and stop_requested()), ctrl)
@@ -264,9 +265,12 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
             if preempt or last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
                 path = _save(step, cfg, engine, sync, version, owner)
             if preempt:
-                raise Preempted(step, path)
-        save_hf_checkpoint(engine.models, cfg.run_dir / "final_hf", src_dir=cfg.model.path)
-    destroy_parallel_state()
+                break
+        else:
+            save_hf_checkpoint(engine.models, cfg.run_dir / "final_hf", src_dir=cfg.model.path)
+    destroy_parallel_state()  # every rank got here: leave together
+    if preempt:
+        raise Preempted(step, path)
     return owner.metrics.history if owner is not None else []
 
 
