@@ -41,9 +41,9 @@ def jobs():
             subprocess.run(["scancel", job])
 
 
-def launch(tmp: Path, model: Path, *overrides: str, jobs: list | None = None) -> tuple[str, Path]:
+def launch(tmp: Path, model: Path, *overrides: str, jobs: list | None = None, flags=()) -> tuple[str, Path]:
     cmd = [sys.executable, "-m", "mega_async.cli", "launch", "slurm", "-c", str(ROOT / "configs" / "gsm8k_tiny_cpu.yaml"),
-           "--nodes", "1", "--gpus-per-node", "2", "--time", "20", f"logging.root_dir={tmp / 'runs'}",
+           "--nodes", "1", "--gpus-per-node", "2", "--time", "20", *flags, f"logging.root_dir={tmp / 'runs'}",
            f"model.path={model}", *overrides]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -152,3 +152,24 @@ def test_preemption_signal_and_scancel_end_everything(slurm, model, tmp_path, jo
         assert len(steps(run)) < 500
     else:
         assert "SIGTERM/SIGINT: stopping every component" in log
+
+
+@pytest.mark.timeout(1500)  # two runs of the job and Slurm's two-minute hold on a requeued job
+def test_requeue_resumes_after_preemption(slurm, model, tmp_path, jobs):
+    """SIGUSR1: the driver checkpoints and exits 0, the job requeues itself and the second run continues
+    from the checkpoint (trainer.resume=auto) to the end."""
+    job, run = launch(tmp_path, model, "trainer.total_steps=6", jobs=jobs, flags=["--requeue"])
+    wait_for(lambda: len(steps(run)) >= 1, 400, "the first training step")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
+    wait_for(lambda: "requeueing job" in (run / "logs" / "job.log").read_text(), 300, "the requeue")
+    wait_for(lambda: "(restart 1)" in (run / "logs" / "job.log").read_text(), 300, "the requeued run to start")
+    state, code = wait_done(job, 600)
+    log = (run / "logs" / "job.log").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), log
+    assert "preempted" in (run / "logs" / "driver.log").read_text()
+    s = steps(run)
+    assert [x["step"] for x in s] == list(range(6)), [x["step"] for x in s]  # resumed, nothing repeated
+    assert [x["version"] for x in s] == list(range(1, 7))
+    assert "training finished" in log.split("(restart 1)")[1]
+    assert (run / "final_hf" / "config.json").exists()
+    wait_for(lambda: not leftovers(tmp_path), 60, "every process of the job to end")
