@@ -93,6 +93,23 @@ def merge_routed_experts(held: Any, encoded: Optional[str], total_rows: int, sta
     return new if held is None else torch.cat([held, new])
 
 
+def token_versions(spans: Any, n: int, fallback: int) -> list[int]:
+    """One version per output token from SGLang 0.5.x `meta_info.weight_versions` spans ({version, start, end}
+    over the output tokens: a retract or in-place pause puts two versions in one response); without spans
+    every token gets `fallback` (the response's `weight_version`)."""
+    if not isinstance(spans, list) or not spans:
+        return [fallback] * n
+    out = [fallback] * n
+    for sp in spans:
+        try:
+            v, a, b = int(sp["version"]), int(sp["start"]), int(sp["end"])
+        except (KeyError, TypeError, ValueError):
+            return [fallback] * n
+        for i in range(max(0, a), min(n, b)):
+            out[i] = v
+    return out
+
+
 class SGLangClient:
     def __init__(
         self,
@@ -272,7 +289,7 @@ class SGLangClient:
                     raise ServerError(f"{len(toks)} output tokens but {len(lps)} logprobs in the response")
                 resp.output_tokens += toks
                 resp.output_logprobs += [float("-inf") if x[0] is None else float(x[0]) for x in lps]
-                resp.output_versions += [version] * len(toks)
+                resp.output_versions += token_versions(meta.get("weight_versions"), len(toks), version)
                 if req.return_routed_experts:
                     resp.routed_experts = merge_routed_experts(resp.routed_experts, meta.get("routed_experts"),
                                                                len(payload["input_ids"]) + len(toks) - 1, held)

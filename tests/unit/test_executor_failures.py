@@ -83,3 +83,12 @@ def test_null_limit_keeps_going_on_non_fatal_errors():
     with ex:
         out = ex.prepare_batch(data)
     assert sorted(r["id"] for r in out) == [1000, 1001]
+
+
+def test_token_versions_follow_weight_version_spans():
+    from mega_async.inference.client import token_versions
+
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions(spans, 5, 4) == [3, 3, 4, 4, 4]
+    assert token_versions(None, 3, 7) == [7, 7, 7]
+    assert token_versions([{"version": "x"}], 2, 1) == [1, 1]
