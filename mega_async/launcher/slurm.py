@@ -57,9 +57,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model)
-    dtype = "bfloat16" if cfg.inference.backend == "sglang" and cfg.model.dtype == "float32" else cfg.model.dtype
     plan = plan_job(alloc, launch.nodes, launch.gpus_per_node, backend=cfg.inference.backend, hf_config=hf,
-                    dtype=dtype, gpu_memory_gib=launch.gpu_memory_gib)
+                    dtype=cfg.model.dtype, gpu_memory_gib=launch.gpu_memory_gib)  # servers and trainer use model.dtype
     train_args = ["-c", str(Path(args.config).resolve()), *args.overrides]
     script = render_job(plan, cfg, train_args, workdir=workdir, partition=launch.partition, time=launch.time,
                         requeue=args.requeue)
