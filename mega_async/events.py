@@ -27,18 +27,21 @@ class EventLog:
 
     def __init__(self, path: str | os.PathLike, **common: Any):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.common = common  # fields added to every event, e.g. rank=3
-        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: Optional[int] = None  # opened at the first event: a run that stops early writes nothing
+        self._closed = False
         self._lock = threading.Lock()
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Append one event now; never raises (a full disk must not stop a run: it is logged once)."""
         line = json.dumps({"t": round(time.time(), 6), "kind": kind, **self.common, **fields}, default=str) + "\n"
         with self._lock:
-            if self._fd is None:
+            if self._closed:
                 return
             try:
+                if self._fd is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 os.write(self._fd, line.encode())
             except OSError as e:
                 logger.warning("event log %s not writable (%s): no more events are recorded", self.path, e)
@@ -61,6 +64,7 @@ class EventLog:
         return EventLog(self.path, **{**self.common, **common})
 
     def _close(self) -> None:
+        self._closed = True
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -154,7 +158,7 @@ def draw_timeline(events_path: str | os.PathLike, out_png: str | os.PathLike) ->
     t0 = events[0]["t"]
     rel = lambda t: t - t0  # noqa: E731
     steps = spans(events, "train_step", ("rank", "step"))
-    syncs = spans(events, "sync", ("phase",))
+    syncs = spans(events, "sync", ("phase", "rank"))
     ranks = sorted({s.get("rank", 0) for s in steps})
     phases = sorted({s.get("phase", "sync") for s in syncs})
     fig, (ax_r, ax_l) = plt.subplots(2, 1, sharex=True, figsize=(11, 3 + 0.35 * (len(ranks) + len(phases))),

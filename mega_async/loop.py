@@ -22,6 +22,7 @@ import torch
 from mega_async.config import ConfigError, RunConfig, api_key, save_config
 from mega_async.data import load_rows, synthetic_items
 from mega_async.evaluation import Evaluator
+from mega_async.events import EventLog, NullEventLog
 from mega_async.inference.service import InferenceService
 from mega_async.metrics import Metrics, RewardTracker, prefixed
 from mega_async.rollout.executor import WorkflowExecutor
@@ -124,23 +125,25 @@ def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
     from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
 
     version = WeightVersion()
-    service = InferenceService(cfg, version)  # a bad model.path fails here, before the run directory is written
+    events = EventLog(cfg.run_dir / "events.jsonl")  # the timeline; written from the first event on
+    service = InferenceService(cfg, version, events=events)  # a bad model.path fails here, before the run dir
     metrics = None
     try:
         save_config(cfg, cfg.run_dir)
         metrics = Metrics(cfg.run_dir, tensorboard=cfg.logging.tensorboard)
         data, workflow, flt = rollout_parts(cfg, service)
         with WorkflowExecutor.from_config(cfg.rollout, service.engine, workflow, should_accept=flt,
-                                          version=version) as ex:
+                                          version=version, events=events) as ex:
             sync = ReloadWeightSync(version, RolloutSide(service.engine, ex), cfg.model.path,
-                                    timeout=cfg.trainer.sync_timeout)
+                                    timeout=cfg.trainer.sync_timeout, events=events)
             try:
                 for step in range(cfg.trainer.total_steps):
                     batch = ex.prepare_batch(data)
                     stat = metrics.log(step, _rollout_stats(step, batch, ex, flt))
                     logger.info("step %d: %d groups, %d tokens, reward %.3f, max head staleness %d", step,
                                 stat["groups"], stat["output_tokens"], stat["reward_mean"], stat["head_staleness_max"])
-                    sync.push()
+                    with events.span("sync", phase="push", step=step):
+                        sync.push()
             finally:
                 sync.close()
         return metrics.history
@@ -148,6 +151,7 @@ def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
         if metrics is not None:
             metrics.close()
         service.close()
+        events.close()
 
 
 def _rollout_stats(step: int, batch: list[dict], ex: WorkflowExecutor, flt: Optional[DynamicFilter]) -> dict:
@@ -172,13 +176,14 @@ class Preempted(Exception):
 class RolloutOwner:
     """Rank 0's half of a run: servers, dataset order, executor, ledger, metrics and evaluation."""
 
-    def __init__(self, cfg: RunConfig, version: WeightVersion, stack: contextlib.ExitStack, start: int, cpu: bool):
+    def __init__(self, cfg: RunConfig, version: WeightVersion, stack: contextlib.ExitStack, start: int, cpu: bool,
+                 events: Any = None):
         from mega_async.rollout.dataloader import EpochLoader
         from mega_async.rollout.ledger import Ledger
 
         self.cfg = cfg
         self.service = InferenceService(cfg, version, weights_root=(cfg.run_dir / "weights"),
-                                        cpu_share=0.5 if cpu else 1.0)
+                                        cpu_share=0.5 if cpu else 1.0, events=events)
         stack.callback(self.service.close)
         self.metrics = Metrics(cfg.run_dir, tensorboard=cfg.logging.tensorboard, purge_step=start or None)
         stack.callback(self.metrics.close)
@@ -188,7 +193,7 @@ class RolloutOwner:
         self.loader = EpochLoader(data, seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.ex = stack.enter_context(WorkflowExecutor.from_config(cfg.rollout, self.service.engine, workflow,
                                                                    should_accept=self.flt, version=version,
-                                                                   ledger=self.ledger))
+                                                                   ledger=self.ledger, events=events))
         self.rewards = RewardTracker(self.flt)
         self.evaluator = Evaluator.from_config(cfg, self.service, reward_for(cfg))
 
@@ -238,6 +243,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
         reset_run_dir(cfg.run_dir, resume)
         save_config(cfg, cfg.run_dir)
     resume = _from_rank0(resume, ctrl)
+    events = EventLog(cfg.run_dir / "events.jsonl", rank=dist.get_rank())  # every rank appends to the timeline
     cpu = not torch.cuda.is_available()
     if cpu:  # trainer ranks and servers share the host's cores: split them, never oversubscribe
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // (2 * alloc.train.world_size)))
@@ -248,9 +254,11 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
     version = WeightVersion(meta["version"] - 1 if meta else 0)  # a resume's first push brings it back
     owner = None
     with contextlib.ExitStack() as stack:
+        stack.callback(events.close)
         if rank0:
-            owner = RolloutOwner(cfg, version, stack, start, cpu)
-        sync = make_sync(cfg, engine, version, owner.service if owner else None, owner.ex if owner else None, ctrl)
+            owner = RolloutOwner(cfg, version, stack, start, cpu, events)
+        sync = make_sync(cfg, engine, version, owner.service if owner else None, owner.ex if owner else None, ctrl,
+                         events)
         stack.callback(sync.close)
         if meta:
             sync.push()  # the servers get the checkpoint's weights at its version before any rollout resumes
@@ -259,7 +267,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
         engine.set_version(version.value)
         preempt = False
         for step in range(start, cfg.trainer.total_steps):
-            _train_step(step, cfg, engine, sync, version, owner, ctrl)
+            _train_step(step, cfg, engine, sync, version, owner, ctrl, events)
             preempt = _any_rank(bool(stop_requested and stop_requested()), ctrl)
             last = step == cfg.trainer.total_steps - 1
             if preempt or last or (cfg.trainer.save_interval and (step + 1) % cfg.trainer.save_interval == 0):
@@ -278,15 +286,18 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _train_step(step: int, cfg: RunConfig, engine: Any, sync: Any, version: WeightVersion,
-                owner: Optional[RolloutOwner], ctrl: Any) -> None:
+                owner: Optional[RolloutOwner], ctrl: Any, events: Any = None) -> None:
     """prepare_batch -> DP shares -> train_batch -> sync.push -> metrics (rank 0)."""
+    events = events if events is not None else NullEventLog()
     t0 = time.monotonic()
     groups = owner.ex.prepare_batch(owner.loader) if owner is not None else None
     t_rollout = time.monotonic() - t0
     batch, batch_reward = dp_share(groups, cfg, ctrl)
-    train_stats = engine.train_batch(batch)
+    with events.span("train_step", step=step):
+        train_stats = engine.train_batch(batch)
     t_train = time.monotonic() - t0 - t_rollout
-    sync_stats = sync.push()
+    with events.span("sync", phase="push", step=step):
+        sync_stats = sync.push()
     engine.set_version(version.value)
     if owner is None:
         return
@@ -360,7 +371,7 @@ def dp_share(groups: Optional[list[dict]], cfg: RunConfig, group: Any = None) ->
 
 
 def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Optional[InferenceService],
-              executor: Optional[WorkflowExecutor], group: Any = None) -> Any:
+              executor: Optional[WorkflowExecutor], group: Any = None, events: Any = None) -> Any:
     """The weight sync of `trainer.weight_sync` (rank 0 passes the servers and the executor)."""
     import torch.distributed as dist
 
@@ -369,7 +380,7 @@ def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Opti
     t = cfg.trainer
     rollout = RolloutSide(service.engine, executor) if service is not None else None
     kw = dict(timeout=t.sync_timeout, verify=engine.compute_logprobs if t.verify_sync else None,
-              verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group)
+              verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group, events=events)
     if t.weight_sync == "disk":
         return DiskWeightSync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
                               keep=t.keep_weight_versions, **kw)

@@ -19,6 +19,7 @@ from typing import Any, Optional, Sequence
 
 import aiohttp
 
+from mega_async.events import NullEventLog
 from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
@@ -123,9 +124,11 @@ class SGLangClient:
         unhealthy_timeout: float = 30.0,
         max_resubmits: int = 1000,
         version: Optional[WeightVersion] = None,
+        events: Any = None,
     ):
         if not addresses:
             raise ValueError("SGLangClient needs at least one server address (host:port)")
+        self.events = events if events is not None else NullEventLog()  # interruptions on the run's timeline
         self.servers = [_Server(self._norm(a)) for a in addresses]
         self.api_key = api_key
         self.request_timeout = request_timeout
@@ -266,6 +269,8 @@ class SGLangClient:
         try:
             while len(resp.output_tokens) < req.max_new_tokens:
                 await self._wait_unpaused()
+                if rounds:
+                    self.events.emit("episode_resubmitted", rid=req.rid, tokens=len(resp.output_tokens))
                 payload = {
                     "input_ids": list(req.input_ids) + resp.output_tokens,
                     "sampling_params": {
@@ -302,6 +307,7 @@ class SGLangClient:
                     raise ServerError(f"unexpected finish_reason {fr!r}")
                 rounds += 1
                 resp.num_interruptions += 1
+                self.events.emit("episode_interrupted", rid=req.rid, tokens=len(resp.output_tokens))
                 if rounds > self.max_resubmits:
                     raise ServerError(f"request {req.rid} aborted {rounds} times: {fr.get('message')}")
             else:

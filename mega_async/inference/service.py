@@ -65,7 +65,7 @@ class InferenceService:
     """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
 
     def __init__(self, cfg: RunConfig, version: Optional[WeightVersion] = None, weights_root: Any = None,
-                 cpu_share: float = 1.0):
+                 cpu_share: float = 1.0, events: Any = None):
         self.cfg = cfg
         self.launcher: Any = None
         self.tokenizer: Any = None
@@ -108,7 +108,7 @@ class InferenceService:
         self.addresses = addresses
         self.engine = SGLangClient(addresses, api_key=api_key(cfg), request_timeout=inf.request_timeout,
                                    max_retries=inf.max_retries, unhealthy_timeout=inf.unhealthy_timeout,
-                                   version=version)
+                                   version=version, events=events)
 
     def close(self) -> None:
         if self.launcher is not None:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Optional
 
+from mega_async.events import NullEventLog
 from mega_async.rollout.dataloader import Sample
 from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
 from mega_async.rollout.ledger import Ledger
@@ -73,7 +74,9 @@ class WorkflowExecutor:
         version: WeightVersion | None = None,
         max_consecutive_failures: int | None = 32,
         ledger: Ledger | None = None,
+        events: Any = None,
     ):
+        self.events = events if events is not None else NullEventLog()  # the run's timeline (mega_async.events)
         self.engine = engine
         self.workflow = workflow
         self.should_accept = should_accept
@@ -112,7 +115,7 @@ class WorkflowExecutor:
     @classmethod
     def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
                     should_accept: AcceptFn | None = None, version: WeightVersion | None = None,
-                    ledger: Ledger | None = None) -> "WorkflowExecutor":
+                    ledger: Ledger | None = None, events: Any = None) -> "WorkflowExecutor":
         return cls(
             engine,
             workflow,
@@ -123,6 +126,7 @@ class WorkflowExecutor:
             version=version,
             max_consecutive_failures=rollout_cfg.max_consecutive_failures,
             ledger=ledger,
+            events=events,
         )
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -167,6 +171,7 @@ class WorkflowExecutor:
                 task.head = head_version
                 self._running_heads[tid] = head_version
                 self._running_by_head[head_version] += 1
+            self.events.emit("episode_admitted", task=tid, head=head_version)
             return await wf.arun_episode(JournaledEngine(self.engine, task.journal), data)
 
         def on_done(task_id: int, result: Any, exc: Optional[BaseException]) -> None:
@@ -206,6 +211,7 @@ class WorkflowExecutor:
                     verdict = "failed"
                     logger.warning("should_accept raised %r on episode %d (item: %.200r)", e, tid, data)
             self._counts[verdict] += 1
+            self.events.emit("episode_finished", task=tid, head=head, verdict=verdict)
             self._counts["output_tokens"] += task.journal.generated_tokens
             self._track_failures(verdict, exc)
             if verdict == "accepted":

@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from mega_async.events import NullEventLog
 from mega_async.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
@@ -100,7 +101,8 @@ class WeightSync:
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
-                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None):
+                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None, events: Any = None):
+        self.events = events if events is not None else NullEventLog()  # phases on the run's timeline
         self.models = list(models)
         self.group = group  # for the small agreements between ranks (a gloo group with a long timeout)
         self.version = version
@@ -120,6 +122,7 @@ class WeightSync:
         if r is None:
             yield
             return
+        self.events.emit("sync_start", phase="pause")
         if r.executor is not None:
             r.executor.pause()
         try:
@@ -129,11 +132,14 @@ class WeightSync:
                     takes = "timeout" in inspect.signature(r.client.pause_generation).parameters
                     pause = r.client.pause_generation(timeout=self.timeout) if takes else r.client.pause_generation()
                     self._wait(pause)  # the HTTP call carries the same timeout, so it cannot land after continue
+                    self.events.emit("sync_end", phase="pause")
                     yield
                 finally:  # also when pausing failed half-way: no server stays paused
+                    self.events.emit("sync_start", phase="continue")
                     cont = r.client.continue_generation()
                     if inspect.isawaitable(cont):
                         self._loop.run(cont, 2 * self.timeout + 10)
+                    self.events.emit("sync_end", phase="continue")
             finally:
                 _maybe(r.client, "resume")
         finally:
@@ -145,7 +151,8 @@ class WeightSync:
         """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError."""
         t0 = time.perf_counter()
         target = self.version.value + 1
-        errors = _agree(self._guarded(self._prepare, target), self.group)  # before the pause (disk: export)
+        with self.events.span("sync", phase="prepare", version=target):
+            errors = _agree(self._guarded(self._prepare, target), self.group)  # before the pause (disk: export)
         rolled = None
         with contextlib.ExitStack() as stack:
             if not errors:  # the same on every rank: they agreed
@@ -158,7 +165,8 @@ class WeightSync:
                 errors = _agree(enter_error, self.group)
             if not errors:
                 try:
-                    errors = _agree(self._guarded(self._update, target), self.group)
+                    with self.events.span("sync", phase="update", version=target):
+                        errors = _agree(self._guarded(self._update, target), self.group)
                     if not errors:
                         errors = _agree(self._guarded(self._commit, target), self.group)
                 except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue

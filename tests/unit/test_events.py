@@ -40,7 +40,9 @@ def test_concurrent_appends_from_threads_and_processes(tmp_path):
 
 
 def test_span_records_failures_and_torn_lines_are_skipped(tmp_path):
-    path = tmp_path / "events.jsonl"
+    path = tmp_path / "run" / "events.jsonl"
+    EventLog(path).close()
+    assert not path.parent.exists()  # nothing is written before the first event
     with EventLog(path) as log:
         with log.span("sync", phase="push", version=1):
             time.sleep(0.01)
