@@ -200,4 +200,7 @@ def write_report(run_dir: str | Path, reward_threshold: float = 0.8) -> tuple[Pa
     s = summarize(history, reward_threshold)
     (run_dir / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
     png = plot_run(history, run_dir / "report.png", title=str(run_dir))
+    from mega_async.events import draw_run_timeline
+
+    draw_run_timeline(run_dir)  # timeline.png from events.jsonl: rollout and training lanes, weight syncs
     return png, summary_table(s)

@@ -93,3 +93,21 @@ def test_draw_timeline_lanes(tmp_path):
     assert green > 2000  # the two training lanes are drawn
     assert draw_timeline(tmp_path / "missing.jsonl", tmp_path / "none.png") is None
     assert draw_run_timeline(tmp_path) == tmp_path / "timeline.png" and (tmp_path / "timeline.png").stat().st_size > 0
+
+
+def test_end_of_run_report_draws_the_timeline(tmp_path):
+    import json
+
+    from mega_async.report import write_report
+
+    rows = [{"step": i, "reward_mean": 0.1 * i, "step_s": 1.0, "elapsed_s": 1.0 + i} for i in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_report(tmp_path)
+    assert not (tmp_path / "timeline.png").exists()  # no events recorded: no timeline
+    with EventLog(tmp_path / "events.jsonl", rank=0) as log:
+        log.emit("episode_admitted", task=0)
+        with log.span("train_step", step=0):
+            pass
+        log.emit("episode_finished", task=0, verdict="accepted")
+    write_report(tmp_path)
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
