@@ -11,6 +11,9 @@ from mega_async.checkpoint import CheckpointError, check_dist_checkpoint, latest
 from mega_async.model_cards import TINY_MOE, init_random_weights
 from tests.dist.test_engine import torchrun
 
+pytestmark = pytest.mark.slow  # nine torchrun launches: CI's second step (the rollout side and the untrusted-file
+# checks run in the default suite: tests/unit/test_rollout_checkpoint.py, test_untrusted_checkpoint.py)
+
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
