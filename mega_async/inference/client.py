@@ -184,9 +184,10 @@ class SGLangClient:
         return status == 200
 
     def _drop(self, s: _Server, why: str) -> None:
-        if s.dropped is None:
+        if s.dropped is None:  # the first reason is kept (requests in flight may fail it once more)
             logger.error("server %s dropped: %s", s.address, why)
-        s.dropped, s.healthy = why, False
+            s.dropped = why
+        s.healthy = False
 
     def _no_server_error(self, waited: Optional[float]) -> NoHealthyServerError:
         why = "; ".join(f"{s.address}: {s.dropped or 'unreachable'}" for s in self.servers)

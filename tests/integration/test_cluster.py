@@ -42,7 +42,7 @@ def test_kill_one_server_mid_rollout_then_both(weights_root, tmp_path):
             assert not client.servers[0].healthy
             launcher.kill(1)
             t0 = time.monotonic()
-            with pytest.raises(NoHealthyServerError, match="no healthy inference server"):
+            with pytest.raises(NoHealthyServerError, match="no usable inference server"):
                 await client.agenerate(ModelRequest(input_ids=[1, 2], max_new_tokens=4))
             elapsed = time.monotonic() - t0
             await client.aclose()
