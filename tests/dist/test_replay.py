@@ -17,6 +17,8 @@ from mega_async.model_cards import TINY_MOE, init_random_weights
 sys.path.insert(0, str(Path(__file__).parent))
 from test_engine import torchrun  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
+
 ROUTE_KEYS = ("mismatch/route_top1_frac", "mismatch/route_set_frac")
 
 

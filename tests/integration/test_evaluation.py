@@ -1,3 +1,4 @@
+import pytest
 """Evaluation on a real embedded server: greedy pass@1 equals what a transformers greedy decode scores,
 only on evaluation steps, and a failing reward scores 0 (counted)."""
 import torch
@@ -5,6 +6,8 @@ from transformers import AutoTokenizer
 
 from mega_async.evaluation import Evaluator
 from mega_async.inference.client import SGLangClient
+
+pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
 
 PROMPTS = ["Question: 2 + 3 = ?", "Natalia sold clips", "How many apples", "The answer is"]
 

@@ -63,6 +63,7 @@ def test_no_server_alive_stops_within_unhealthy_timeout():
     assert ex.stats["failed"] <= 4  # the first admitted episodes, not thousands of resubmissions
 
 
+@pytest.mark.slow  # starts a server
 def test_wrong_api_key_stops_at_once(weights_root, tmp_path):
     spec = ServerSpec("embedded", str(weights_root / "v0"), api_key="right", weights_root=str(weights_root))
     with ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120) as launcher:
@@ -75,6 +76,7 @@ def test_wrong_api_key_stops_at_once(weights_root, tmp_path):
         assert ex.stats["failed"] <= 4
 
 
+@pytest.mark.slow  # starts a server
 def test_request_over_the_context_length_stops_at_once(server):
     client = SGLangClient(server.addresses)
     with executor(client, max_new_tokens=100_000) as ex:
@@ -83,6 +85,7 @@ def test_request_over_the_context_length_stops_at_once(server):
     assert ex.stats["failed"] <= 4
 
 
+@pytest.mark.slow  # starts a server
 def test_server_answering_500_is_dropped_although_health_answers(server):
     broken = BrokenServer()
     client = SGLangClient([broken.address, *server.addresses], max_retries=2, retry_backoff=0.01)

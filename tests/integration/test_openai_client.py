@@ -9,6 +9,8 @@ from mega_async.inference.launch import ServerLauncher, ServerSpec
 
 from .conftest import post, ref_logprobs
 
+pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
+
 
 @pytest.fixture(scope="module")
 def routed_server(weights_root, tmp_path_factory):

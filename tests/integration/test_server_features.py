@@ -10,6 +10,8 @@ import torch
 
 from .conftest import get, post, ref_logprobs
 
+pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
+
 PROMPT = [5, 17, 300, 42, 7, 99, 12, 64]
 
 

@@ -16,6 +16,8 @@ from mega_async.inference.launch import free_port
 
 from .conftest import get, post, ref_logprobs, run
 
+pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
+
 
 def token_versions(meta: dict, n: int) -> list[str]:
     """Per-token versions: SGLang's weight_versions spans when present, else weight_version for every token."""

@@ -46,8 +46,8 @@ def leftovers(tmp: Path) -> list[str]:
 
 LAYOUTS = [
     pytest.param("sglang:d2+megatron:d1t2", id="tp2-2servers"),
-    pytest.param("sglang:d1+megatron:d2e2", id="ep2dp2-1server"),
-    pytest.param("sglang:d2+megatron:p2", id="pp2-2servers"),
+    pytest.param("sglang:d1+megatron:d2e2", id="ep2dp2-1server", marks=pytest.mark.slow),  # suite budget
+    pytest.param("sglang:d2+megatron:p2", id="pp2-2servers", marks=pytest.mark.slow),
     pytest.param("sglang:d1+megatron:d1t2e2", id="tp2ep2-1server", marks=pytest.mark.slow),  # 4 ranks
     pytest.param("sglang:d1+megatron:d1t2", id="tp2-1server", marks=pytest.mark.slow),
     pytest.param("sglang:d2+megatron:d2e2", id="ep2dp2-2servers", marks=pytest.mark.slow),
