@@ -168,9 +168,10 @@ class WorkflowExecutor:
 
         async def episode(head_version: int) -> Any:
             with self._cond:
-                task.head = head_version
-                self._running_heads[tid] = head_version
-                self._running_by_head[head_version] += 1
+                if tid not in self._running_heads:  # a restored episode is registered at submit
+                    task.head = head_version
+                    self._running_heads[tid] = head_version
+                    self._running_by_head[head_version] += 1
             self.events.emit("episode_admitted", task=tid, head=head_version)
             return await wf.arun_episode(JournaledEngine(self.engine, task.journal), data)
 
@@ -182,6 +183,10 @@ class WorkflowExecutor:
                 self._runner.submit(tid, episode, on_done, wake=wake)
             else:
                 self.staleness.on_submitted()  # admitted before the checkpoint: counted as running again
+                with self._cond:  # running from now on: no batch may overtake its (older) head version
+                    task.head = head
+                    self._running_heads[tid] = head
+                    self._running_by_head[head] += 1
                 self._runner.start_admitted(tid, episode, head, on_done)
         except RunnerError:
             if head is None:
@@ -189,6 +194,8 @@ class WorkflowExecutor:
             self.staleness.on_rejected()
             with self._cond:
                 self._tasks.pop(tid, None)
+                if self._running_heads.pop(tid, None) is not None:
+                    self._dec(self._running_by_head, head)
             raise
         return tid
 
