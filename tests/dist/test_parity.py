@@ -74,6 +74,7 @@ LAYOUTS = [
 ]
 
 
+@pytest.mark.slow  # eight torchrun launches: CI's second step (the resharder and engine parity stay in the default)
 @pytest.mark.parametrize("kind, layout, nproc, mbs", LAYOUTS, ids=[f"{k}-{l}-mb{m}" for k, l, _, m in LAYOUTS])
 def test_layout_parity(weights, single_rank, tmp_path, kind, layout, nproc, mbs):
     ref = single_rank[kind]
