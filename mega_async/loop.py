@@ -230,6 +230,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
     from mega_async.checkpoint import load_checkpoint, reset_run_dir, resume_point
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
     from mega_async.trainer.parallel import control_group, destroy_parallel_state, init_distributed
+    from mega_async.trainer.sync import from_rank0
     from mega_async.trainer.weights import save_hf_checkpoint
 
     alloc = parse_allocation(cfg.parallel.allocation)
@@ -242,7 +243,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
         resume = resume_point(cfg.run_dir, cfg.trainer.resume)
         reset_run_dir(cfg.run_dir, resume)
         save_config(cfg, cfg.run_dir)
-    resume = _from_rank0(resume, ctrl)
+    resume = from_rank0(resume, ctrl)
     events = EventLog(cfg.run_dir / "events.jsonl", rank=dist.get_rank())  # every rank appends to the timeline
     cpu = not torch.cuda.is_available()
     if cpu:  # trainer ranks and servers share the host's cores: split them, never oversubscribe
@@ -325,15 +326,6 @@ def _save(step: int, cfg: RunConfig, engine: Any, sync: Any, version: WeightVers
                            keep=cfg.trainer.keep_checkpoints, extra=sizes)
     logger.info("checkpoint %s (%.1fs)", path, time.monotonic() - t0)
     return path
-
-
-def _from_rank0(obj: Any, group: Any) -> Any:
-    import torch.distributed as dist
-
-    box = [obj]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def _any_rank(flag: bool, group: Any) -> bool:

@@ -80,7 +80,8 @@ def _agree(error: Optional[str], group: Any = None) -> list[str]:
     return [f"rank {r}: {e}" for r, e in enumerate(every) if e]
 
 
-def _from_rank0(obj: Any, group: Any = None) -> Any:
+def from_rank0(obj: Any, group: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (over `group`, e.g. the gloo control group)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
@@ -183,7 +184,7 @@ class WeightSync:
             _agree(None, self.group)  # no rank leaves before rank 0 has rolled back and continued the servers
             raise SyncError(f"weight sync to version {target} failed ({'; '.join(errors)}); "
                             + (rolled or f"the servers keep version {self.version.value}"))
-        self.version.set(_from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
+        self.version.set(from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
         self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
         if self._verify_fn is not None:
             self.last["sync/verify_max_abs_diff"] = self.verify()
@@ -220,7 +221,7 @@ class WeightSync:
                            o["meta_info"].get("weight_version")) for o in outs]
             except Exception as e:  # noqa: BLE001
                 probes = f"probe failed: {type(e).__name__}: {e}"
-        probes = _from_rank0(probes, self.group)
+        probes = from_rank0(probes, self.group)
         if isinstance(probes, str):
             raise SyncError(f"verify_sync: {probes}")
         from megatron.core import parallel_state as mpu
@@ -243,7 +244,7 @@ class WeightSync:
                 verdict = (f"server logprobs differ from the trainer's by {worst:.3g} (> {self.verify_tol:g}) "
                            f"at version {self.version.value}")
             verdict = verdict or worst
-        verdict = _from_rank0(verdict, self.group)
+        verdict = from_rank0(verdict, self.group)
         if isinstance(verdict, str):
             raise SyncError(f"verify_sync: {verdict}")
         return float(verdict)

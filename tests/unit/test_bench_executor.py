@@ -5,7 +5,6 @@ import asyncio
 import threading
 import time
 
-import pytest
 
 from mega_async.bench import executor_overhead
 from mega_async.inference.simulated import SimulatedEngine

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from mega_async.inference.server.engine import GenRequest
 from mega_async.inference.server.protocol import ContractError, ValueRejected

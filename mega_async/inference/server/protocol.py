@@ -7,7 +7,6 @@ Schema problems (a missing field, a wrong type) raise `BadRequest`, answered wit
 from __future__ import annotations
 
 import math
-import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
