@@ -35,7 +35,7 @@ setup(
         # GPU-only packages: imported lazily, never needed on the CPU path.
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang", "sglang-router"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
-                 "pyarrow>=14"],  # pyarrow: the GSM8K parquet path
+                 "pyarrow>=14", "py-spy>=0.3.14"],  # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run
         "agent": ["openai>=1.40"],  # agents of AgentWorkflow (mega_async.rollout.agent) use the openai client
     },
     entry_points={"console_scripts": ["mega-async=mega_async.cli:main"]},

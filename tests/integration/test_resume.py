@@ -6,6 +6,7 @@ import collections
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -36,17 +37,19 @@ def start(root: Path, log: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def wait_for(cond, proc, timeout=600) -> bool:
+def wait_for(cond, proc, log: Path, timeout=600) -> bool:
     """True once `cond()` holds; False if the run ended first (successfully)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
             return True
         if proc.poll() is not None:
-            assert proc.returncode == 0, "the run failed before its stop point"
+            assert proc.returncode == 0, f"the run failed before its stop point:\n{log.read_text()[-3000:]}"
             return False
         time.sleep(0.05)
-    raise AssertionError("timed out waiting for the stop point")
+    stacks = subprocess.run(["py-spy", "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True, text=True).stdout \
+        if shutil.which("py-spy") else "(py-spy not installed: no stacks)"
+    raise AssertionError(f"timed out waiting for the stop point; driver log:\n{log.read_text()[-4000:]}\n{stacks}")
 
 
 def metrics_lines(run: Path) -> int:
@@ -71,10 +74,10 @@ def port_open(port: int) -> bool:
 def test_crash_and_resume_lose_nothing_and_train_nothing_twice(tmp_path):
     root, log = tmp_path / "runs", tmp_path / "driver.log"
     run = root / "tiny_cpu" / "run0"
-    rng = random.Random(0)
+    rng = random.Random(int(os.environ.get("MEGA_ASYNC_RESUME_SEED", "0")))  # vary the kill moments by hand
     # 1) pre-emption: SIGUSR1 -> checkpoint at the step boundary, exit 0
     p = start(root, log)
-    assert wait_for(lambda: metrics_lines(run) >= 1, p)
+    assert wait_for(lambda: metrics_lines(run) >= 1, p, log)
     p.send_signal(signal.SIGUSR1)
     assert p.wait(timeout=300) == 0
     assert "preempted after step" in log.read_text()
@@ -84,10 +87,10 @@ def test_crash_and_resume_lose_nothing_and_train_nothing_twice(tmp_path):
     for what, cond in points:
         p = start(root, log)
         if callable(cond):
-            reached = wait_for(cond, p)
+            reached = wait_for(cond, p, log)
         else:
             base = metrics_lines(run)
-            reached = wait_for(lambda: metrics_lines(run) >= base + cond, p)
+            reached = wait_for(lambda: metrics_lines(run) >= base + cond, p, log)
             time.sleep(rng.uniform(0.0, 3.0))
         if not reached or p.poll() is not None:
             break  # the run finished first: nothing left to kill
