@@ -201,11 +201,11 @@ class RolloutOwner:
         """Under the pause bracket (nothing generates): every unconsumed rollout, the dataset position and the
         sizes of metrics and ledger. Returns (rollout state, trainer.json extras)."""
         with sync.pause_bracket():
-            client = self.service.engine
-            deadline = time.monotonic() + self.cfg.trainer.sync_timeout
-            while sum(getattr(s, "in_flight", 0) for s in getattr(client, "servers", [])) and \
-                    time.monotonic() < deadline:  # aborted requests' partial outputs are still arriving
-                time.sleep(0.005)
+            settle = getattr(self.service.engine, "settle", None)
+            held = settle(self.cfg.trainer.sync_timeout) if settle else 0  # aborted requests' outputs arrive
+            if held:
+                logger.info("checkpoint: %d requests sent as the pause began wait in the paused servers' "
+                            "queues (no tokens yet); their episodes are saved up to their last token", held)
             state = {"executor": self.ex.snapshot(), "loader": self.loader.state_dict()}
             sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size()}
         return state, sizes

@@ -332,6 +332,22 @@ class SGLangClient:
     def resume(self) -> None:
         self._unpaused.set()
 
+    def settle(self, timeout: float, quiet: float = 2.0) -> int:
+        """After the servers paused (abort mode): block until every aborted request's partial output has come
+        back, so a snapshot holds it. SGLang's pause returns once the aborted requests are done; what is still
+        in flight after `quiet` seconds without a reply was sent as the pause began and waits, with no new
+        tokens, in the paused server's queue until it continues: it is not waited for. Thread-safe (reads
+        counters only). Returns how many requests are still in flight."""
+        deadline, last = time.monotonic() + timeout, None
+        while True:
+            n = sum(s.in_flight for s in self.servers)
+            now = time.monotonic()
+            if n != last:
+                last, changed = n, now
+            if n == 0 or now - changed >= quiet or now >= deadline:
+                return n
+            time.sleep(0.005)
+
     @property
     def version(self) -> int:
         return self._version.value

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.launch import free_port
-from mega_async.types import ModelRequest
+from mega_async.types import ModelRequest, ModelResponse
 
 from .conftest import get, greedy_ok, post, ref_logprobs, run
 
@@ -169,6 +169,43 @@ def test_pause_abort_update_continue_resubmits(server, hf_models, weights_root):
     assert torch.allclose(torch.tensor(resp.output_logprobs[switch:switch + 50]), ref, atol=1e-4)
     # back to v0 for the other tests
     assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"), "weight_version": "0"})[0] == 200
+
+
+def test_settle_waits_for_aborted_outputs_not_for_requests_held_by_the_pause(server):
+    """A checkpoint's snapshot waits (client.settle) for the aborted requests' partial outputs; a request that
+    reached the server after /pause_generation waits in its queue with no tokens until /continue_generation,
+    so settle must not wait for it (it once blocked the snapshot for trainer.sync_timeout)."""
+    addr = server.addresses[0]
+    client = SGLangClient([addr])
+
+    async def main():
+        long = ModelRequest(input_ids=PROMPT, max_new_tokens=1500, temperature=0.0, ignore_eos=True, rid="settle-a")
+        partial = ModelResponse(input_tokens=list(PROMPT))  # extended in place as outputs arrive
+        running = asyncio.create_task(client.agenerate(long, resume=partial))
+        await asyncio.sleep(0.7)
+        client.pause()
+        await client.pause_generation()
+        aborted_back = await asyncio.to_thread(client.settle, 60.0, 0.5)  # the aborted request's output came
+        got = len(partial.output_tokens)
+        held_req = ModelRequest(input_ids=PROMPT, max_new_tokens=8, temperature=0.0, rid="settle-b")
+        held = asyncio.create_task(client._generate_once("settle-b", {  # sent while paused, as in the race
+            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+            "return_logprob": True, "rid": held_req.rid}))
+        while not sum(x.in_flight for x in client.servers):
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        still = await asyncio.to_thread(client.settle, 60.0, 0.5)
+        waited = time.monotonic() - t0
+        await client.continue_generation()
+        client.resume()
+        out = await held
+        resp = await running
+        return aborted_back, got, still, waited, out, resp
+
+    aborted_back, got, still, waited, out, resp = run(main())
+    assert aborted_back == 0 and got > 0  # the aborted round's tokens were in the response before settle returned
+    assert still == 1 and waited < 30  # the held one is reported, not waited for (the bound is 60 s)
+    assert len(out["output_ids"]) == 8 and len(resp.output_tokens) == 1500
 
 
 def test_failed_updates_answer_400_and_keep_old_weights(server, hf_models, weights_root, tmp_path):
