@@ -337,16 +337,18 @@ def resume_point(run_dir: str | Path, mode: str) -> Optional[Path]:
 
 
 def reset_run_dir(run_dir: str | Path, checkpoint: Optional[Path]) -> None:
-    """Before a (re)start on rank 0: cut metrics and ledger back to what the checkpoint saw (everything after
-    it is redone), drop weight versions newer than it and unfinished checkpoint writes."""
+    """Before a (re)start on rank 0: cut metrics, ledger and event timeline back to what the checkpoint saw
+    (everything after it is redone), drop weight versions newer than it and unfinished checkpoint writes."""
     from mega_async.rollout.ledger import Ledger
 
     d = Path(run_dir)
-    sizes = {"metrics.jsonl": 0, "rollouts.jsonl": 0}
+    sizes = {"metrics.jsonl": 0, "rollouts.jsonl": 0, "events.jsonl": 0}
     version = 0
     if checkpoint is not None:
         meta = json.loads((checkpoint / "trainer.json").read_text())
         sizes = {"metrics.jsonl": meta["metrics_bytes"], "rollouts.jsonl": meta["ledger_bytes"]}
+        if "events_bytes" in meta:  # checkpoints written before the timeline was recorded keep it whole
+            sizes["events.jsonl"] = meta["events_bytes"]
         version = meta["version"]
     for name, size in sizes.items():
         Ledger.truncate(d / name, size)

@@ -59,6 +59,13 @@ class EventLog:
         finally:
             self.emit(f"{kind}_end", ok=ok, seconds=round(time.monotonic() - t0, 6), **fields)
 
+    def size(self) -> int:
+        """Bytes of the file now (a checkpoint records it; a resume cuts the timeline back to it)."""
+        try:
+            return self.path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
     def child(self, **common: Any) -> "EventLog":
         """A handle on the same file whose events carry extra fields (e.g. a rank)."""
         return EventLog(self.path, **{**self.common, **common})
@@ -94,6 +101,9 @@ class NullEventLog:
 
     def child(self, **common: Any) -> "NullEventLog":
         return self
+
+    def size(self) -> int:
+        return 0
 
     def close(self) -> None:
         pass

@@ -182,6 +182,7 @@ class RolloutOwner:
         from mega_async.rollout.ledger import Ledger
 
         self.cfg = cfg
+        self.events = events if events is not None else NullEventLog()
         self.service = InferenceService(cfg, version, weights_root=(cfg.run_dir / "weights"),
                                         cpu_share=0.5 if cpu else 1.0, events=events)
         stack.callback(self.service.close)
@@ -206,12 +207,16 @@ class RolloutOwner:
             if held:
                 logger.info("checkpoint: %d requests sent as the pause began wait in the paused servers' "
                             "queues (no tokens yet); their episodes are saved up to their last token", held)
-            state = {"executor": self.ex.snapshot(), "loader": self.loader.state_dict()}
-            sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size()}
+            state = {"executor": self.ex.snapshot(), "loader": self.loader.state_dict(),
+                     "rewards": self.rewards.state_dict()}
+            sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size(),
+                     "events_bytes": self.events.size()}
         return state, sizes
 
     def restore(self, state: dict, version: int) -> None:
         self.loader.load_state_dict(state["loader"])
+        if "rewards" in state:
+            self.rewards.load_state_dict(state["rewards"])
         self.ex.on_version_recovered(version)  # the staleness budget: version * B groups were consumed
         self.ex.restore(state["executor"])
         logger.info("resumed at version %d: %d rollouts restored (%d running, %d ready), dataset epoch %d "

@@ -31,6 +31,12 @@ class RewardTracker:
         self._seen = (self.flt.reward_sum, self.flt.reward_count)
         return d_sum / d_n if d_n else fallback
 
+    def state_dict(self) -> dict[str, float]:
+        return {"sum": self._seen[0], "count": self._seen[1]}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self._seen = (float(state["sum"]), int(state["count"]))
+
 
 def gpu_stats() -> dict[str, float]:
     """Memory and utilisation of this process's GPU (empty without CUDA or nvidia-ml-py)."""

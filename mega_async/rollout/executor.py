@@ -411,9 +411,14 @@ class WorkflowExecutor:
                                 "state": state, "journal": t.journal.snapshot() if state == "running" else [],
                                 "result": done.get(tid)})
                 return {"episodes": eps, "counts": dict(self._counts), "batches_out": self.batches_out,
-                        "staleness": self.staleness.stats}
+                        "staleness": self.staleness.stats, "accept": self._accept_state()}
 
         return self._runner.call(take, timeout)
+
+    def _accept_state(self) -> Optional[dict]:
+        """`should_accept`'s own state when it keeps one (the dynamic filter's counters and drop run)."""
+        fn = getattr(self.should_accept, "state_dict", None)
+        return fn() if callable(fn) else None
 
     def restore(self, state: dict[str, Any], workflow: RolloutWorkflow | None = None) -> None:
         """Put a snapshot back (after `on_version_recovered`): finished results ready to consume, running
@@ -423,6 +428,8 @@ class WorkflowExecutor:
         with self._cond:
             self._counts.update(state["counts"])
             self.batches_out = int(state["batches_out"])
+            if state.get("accept") is not None and hasattr(self.should_accept, "load_state_dict"):
+                self.should_accept.load_state_dict(state["accept"])  # e.g. the dynamic filter's counters
             for e in (e for e in eps if e["state"] == "done"):
                 tid = next(self._ids)
                 self._tasks[tid] = _Task(e["data"], e["tag"], wf, head=e["head"])

@@ -54,6 +54,18 @@ class DynamicFilter:
                 self._run += 1
         return keep
 
+    _STATE = ("kept", "dropped", "forced", "_run", "reward_sum", "reward_count")
+
+    def state_dict(self) -> dict[str, float]:
+        """Counters, the drops-in-a-row run included (a checkpoint keeps them; a resume continues them)."""
+        with self._lock:
+            return {k.lstrip("_"): getattr(self, k) for k in self._STATE}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        with self._lock:
+            for k in self._STATE:
+                setattr(self, k, type(getattr(self, k))(state[k.lstrip("_")]))
+
     @property
     def stats(self) -> dict[str, float]:
         with self._lock:

@@ -135,3 +135,45 @@ def _roundtrip(state, tmp_path):
     path = tmp_path / "rollout.pt"
     torch.save(state, path)
     return path
+
+
+def test_dynamic_filter_counters_and_drop_run_survive_a_checkpoint(tmp_path):
+    """The filter's kept/dropped/forced counters and its drops-in-a-row run are in the executor's snapshot: a
+    resume continues them (a run of equal-reward groups cut by a crash still forces a group through on time)."""
+    from mega_async.rollout.filters import DynamicFilter
+
+    version = WeightVersion()
+    wf = GroupWorkflow(RLVRWorkflow(lambda p, c, **kw: 1.0, max_new_tokens=3), 2)  # every group all-equal
+    flt = DynamicFilter(max_consecutive_drops=5)
+    loader = EpochLoader([{"input_ids": [1 + i, 2]} for i in range(50)], seed=0)
+    ex = WorkflowExecutor(StreamingEngine(version, dt=0), wf, consumer_batch_size=1, max_staleness=0,
+                          version=version, should_accept=flt)
+    with ex:
+        ex.prepare_batch(loader)  # 5 drops, then one forced through
+        ex.pause()
+        state = torch.load(_roundtrip(ex.snapshot(), tmp_path), weights_only=True)
+    before = flt.state_dict()
+    assert before["forced"] == 1 and before["dropped"] >= 5 and state["accept"] == before
+    flt2 = DynamicFilter(max_consecutive_drops=5)
+    ex2 = WorkflowExecutor(StreamingEngine(WeightVersion(), dt=0), wf, consumer_batch_size=1, max_staleness=0,
+                           should_accept=flt2)
+    ex2.restore({**state, "episodes": []})
+    assert flt2.state_dict() == before and flt2.stats["drop_rate"] == flt.stats["drop_rate"]
+
+
+def test_reset_run_dir_cuts_metrics_ledger_and_timeline_back_to_the_checkpoint(tmp_path):
+    from mega_async.checkpoint import reset_run_dir
+
+    ck = tmp_path / "checkpoints" / "step_00000003"
+    ck.mkdir(parents=True)
+    for name in ("metrics.jsonl", "rollouts.jsonl", "events.jsonl"):
+        (tmp_path / name).write_text('{"a": 1}\n{"b": 2}\n')
+    (ck / "trainer.json").write_text(json.dumps({"metrics_bytes": 9, "ledger_bytes": 0, "events_bytes": 9,
+                                                 "version": 4}))
+    (tmp_path / "checkpoints" / "step_00000004.partial").mkdir()
+    reset_run_dir(tmp_path, ck)
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"a": 1}\n' == (tmp_path / "events.jsonl").read_text()
+    assert (tmp_path / "rollouts.jsonl").read_text() == ""
+    assert not (tmp_path / "checkpoints" / "step_00000004.partial").exists()
+    reset_run_dir(tmp_path, None)  # a fresh start: the timeline of a run that never checkpointed goes too
+    assert (tmp_path / "events.jsonl").read_text() == ""
