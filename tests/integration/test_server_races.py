@@ -125,6 +125,40 @@ def test_disconnect_frees_the_slot_and_the_rid(server):
     assert st == 200 and len(out["output_ids"]) == 2  # same rid again: not a duplicate
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 3000,
+                                                                              "ignore_eos": True}}),
+    ("/v1/completions", {"model": "m", "prompt": [5, 6, 7], "stream": True, "max_tokens": 3000,
+                         "ignore_eos": True}),
+])
+def test_stream_disconnect_cancels_the_request(server, path, body):
+    """An SSE client that goes away after its first chunks: the request stops decoding and its rid is free."""
+    addr = server.addresses[0]
+    body = {**body, "rid": f"sse-gone-{path.strip('/').replace('/', '-')}"}
+
+    async def main():
+        reader, writer = await asyncio.open_connection(*addr.split(":"))
+        data = json.dumps(body).encode()
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+                     + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        await writer.drain()
+        got = b""
+        while got.count(b"data: ") < 3:  # a few events streamed: it decodes
+            got += await asyncio.wait_for(reader.read(4096), 60)
+        writer.close()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and get(addr, "/server_info")[1]["num_running_reqs"]:
+            await asyncio.sleep(0.05)
+        return time.monotonic() - t0, got
+
+    freed_after, got = run(main())
+    assert got.startswith(b"HTTP/1.1 200") and b"text/event-stream" in got
+    assert get(addr, "/server_info")[1]["num_running_reqs"] == 0, "the disconnected stream is still decoding"
+    assert freed_after < 5
+    st, out = post(addr, "/generate", {"input_ids": [5, 6, 7], "rid": body["rid"], "sampling_params": {"max_new_tokens": 2}})
+    assert st == 200 and len(out["output_ids"]) == 2  # same rid again: not a duplicate
+
+
 @pytest.mark.slow
 def test_sigterm_stops_generation_at_once(weights_root, tmp_path):
     """SIGTERM while a long request decodes: the request is answered (aborted) and the process exits in seconds."""

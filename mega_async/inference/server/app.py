@@ -8,11 +8,12 @@ safetensors or torch.distributed broadcasts.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import torch
 from aiohttp import web
@@ -294,15 +295,41 @@ class EmbeddedServer:
         outs = await self.run_all(reqs)
         return web.json_response(clean(outs if many else outs[0]))
 
-    async def _stream(self, request: web.Request, reqs: list[tuple[GenRequest, Options]],
-                      many: bool) -> web.StreamResponse:
-        """SSE as SGLang streams /generate: each event is the whole response so far; then `data: [DONE]`."""
+    @contextlib.asynccontextmanager
+    async def streaming(self, request: web.Request, reqs: list[tuple[GenRequest, Options]]
+                        ) -> AsyncIterator[tuple[web.StreamResponse, list[Tracked]]]:
+        """An SSE response's bracket (native and OpenAI streams): rids claimed, the response prepared and the
+        requests submitted; a client that goes away cancels them; the rids are released at the end."""
         self._claim_rids([r.rid for r, _ in reqs])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         tracked: list[Tracked] = []
         try:
             await resp.prepare(request)
-            tracked = await self.submit(reqs, stream=True)
+            tracked.extend(await self.submit(reqs, stream=True))
+            yield resp, tracked
+        except (asyncio.CancelledError, ConnectionError):
+            for t in tracked:
+                self.engine.cancel(t.req)
+            raise
+        finally:
+            self._rids.difference_update(r.rid for r, _ in reqs)
+
+    @staticmethod
+    async def next_change(tracked: list[Tracked], timeout: float = 1.0) -> None:
+        """Until one unfinished request has new tokens (or `timeout`); the other waiters are cancelled."""
+        waits = [asyncio.ensure_future(t.changed.wait()) for t in tracked if not t.done.done()]
+        if not waits:
+            return
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED, timeout=timeout)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _stream(self, request: web.Request, reqs: list[tuple[GenRequest, Options]],
+                      many: bool) -> web.StreamResponse:
+        """SSE as SGLang streams /generate: each event is the whole response so far; then `data: [DONE]`."""
+        async with self.streaming(request, reqs) as (resp, tracked):
             sent = [-1] * len(tracked)
             while True:
                 for k, t in enumerate(tracked):
@@ -317,15 +344,8 @@ class EmbeddedServer:
                     sent[k] = -2 if fin else n
                 if all(s == -2 for s in sent):
                     break
-                await asyncio.wait([asyncio.ensure_future(t.changed.wait()) for t in tracked if not t.done.done()],
-                                   return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+                await self.next_change(tracked)
             await resp.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionError):
-            for t in tracked:
-                self.engine.cancel(t.req)
-            raise
-        finally:
-            self._rids.difference_update(r.rid for r, _ in reqs)
         return resp
 
     # ---- generation control ----------------------------------------------------------------

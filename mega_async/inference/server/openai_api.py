@@ -195,20 +195,14 @@ class OpenAIEndpoints:
     # ---- streaming ---------------------------------------------------------------------------
     async def _stream(self, request: web.Request, req: dict, reqs: list, rid: str, model: str,
                       chat: bool) -> web.StreamResponse:
-        s = self.s
-        s._claim_rids([r.rid for r, _ in reqs])
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         obj = "chat.completion.chunk" if chat else "text_completion"
-        tracked: list = []
+        async with self.s.streaming(request, reqs) as (resp, tracked):
 
-        async def send(choice: dict, usage_: Optional[dict] = None) -> None:
-            chunk = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                     "choices": [choice] if choice else [], "usage": usage_}
-            await resp.write(b"data: " + json.dumps(clean(chunk)).encode() + b"\n\n")
+            async def send(choice: dict, usage_: Optional[dict] = None) -> None:
+                chunk = {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                         "choices": [choice] if choice else [], "usage": usage_}
+                await resp.write(b"data: " + json.dumps(clean(chunk)).encode() + b"\n\n")
 
-        try:
-            await resp.prepare(request)
-            tracked = await s.submit(reqs, stream=True)
             sent_tok, sent_text = [0] * len(tracked), [""] * len(tracked)
             if chat:
                 for i in range(len(tracked)):
@@ -219,18 +213,10 @@ class OpenAIEndpoints:
                     await self._stream_delta(send, i, t, req, chat, sent_tok, sent_text)
                 if all(t.done.done() and sent_tok[i] < 0 for i, t in enumerate(tracked)):
                     break
-                waits = [asyncio.ensure_future(t.changed.wait()) for t in tracked if not t.done.done()]
-                if waits:
-                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+                await self.s.next_change(tracked)
             if (req.get("stream_options") or {}).get("include_usage"):
                 await send({}, usage(tracked, n=(req.get("n") or 1)))
             await resp.write(b"data: [DONE]\n\n")
-        except (asyncio.CancelledError, ConnectionError):
-            for t in tracked:
-                s.engine.cancel(t.req)
-            raise
-        finally:
-            s._rids.difference_update(r.rid for r, _ in reqs)
         return resp
 
     async def _stream_delta(self, send: Any, i: int, t: "Tracked", req: dict, chat: bool, sent_tok: list,
