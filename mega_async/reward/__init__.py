@@ -37,12 +37,12 @@ class RewardRunner:
     async def __call__(self, prompt: str, completion: str, **item: Any) -> Optional[float]:
         name = getattr(self.fn, "__name__", type(self.fn).__name__)
         try:
-            if self.is_async:
-                value = await asyncio.wait_for(self.fn(prompt, completion, **item), self.timeout)
-            else:
-                call = functools.partial(self.fn, prompt, completion, **item)
-                fut = asyncio.get_running_loop().run_in_executor(_pool(), call)
-                value = await asyncio.wait_for(fut, self.timeout)
+            async with asyncio.timeout(self.timeout):  # no task per call, unlike wait_for
+                if self.is_async:
+                    value = await self.fn(prompt, completion, **item)
+                else:
+                    call = functools.partial(self.fn, prompt, completion, **item)
+                    value = await asyncio.get_running_loop().run_in_executor(_pool(), call)
             value = float(value)
         except asyncio.TimeoutError:
             self.failures += 1

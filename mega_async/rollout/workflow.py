@@ -57,13 +57,17 @@ def trajectory_from_response(prompt_ids: list[int], resp: ModelResponse, reward:
         )
     n_in = len(prompt_ids)
     seq = list(prompt_ids) + list(resp.output_tokens)
+    # one tensor per dtype (a torch.tensor call costs more than the copy): rows are views of it
+    ints = torch.tensor([seq, [1] * len(seq), [0] * n_in + [1] * n_out, [-1] * n_in + list(resp.output_versions)],
+                        dtype=torch.long)
+    floats = torch.tensor([0.0] * n_in + list(resp.output_logprobs) + [float(reward)], dtype=torch.float32)
     return {
-        "input_ids": torch.tensor([seq], dtype=torch.long),
-        "attention_mask": torch.ones(1, len(seq), dtype=torch.long),
-        "loss_mask": torch.tensor([[0] * n_in + [1] * n_out], dtype=torch.long),
-        "logprobs": torch.tensor([[0.0] * n_in + list(resp.output_logprobs)], dtype=torch.float32),
-        "versions": torch.tensor([[-1] * n_in + list(resp.output_versions)], dtype=torch.long),
-        "rewards": torch.tensor([float(reward)], dtype=torch.float32),
+        "input_ids": ints[0:1],
+        "attention_mask": ints[1:2],
+        "loss_mask": ints[2:3],
+        "logprobs": floats[None, :-1],
+        "versions": ints[3:4],
+        "rewards": floats[-1:],
         **_routes(resp.routed_experts, len(seq)),
     }
 
