@@ -199,8 +199,9 @@ class RolloutOwner:
         self.evaluator = Evaluator.from_config(cfg, self.service, reward_for(cfg))
 
     def snapshot(self, sync: Any) -> tuple[dict, dict]:
-        """Under the pause bracket (nothing generates): every unconsumed rollout, the dataset position and the
-        sizes of metrics and ledger. Returns (rollout state, trainer.json extras)."""
+        """Under the pause bracket (nothing generates): every unconsumed rollout, the dataset position, the
+        filter and reward counters, and the sizes of metrics, ledger and timeline. Returns (rollout state,
+        trainer.json extras)."""
         with sync.pause_bracket():
             settle = getattr(self.service.engine, "settle", None)
             held = settle(self.cfg.trainer.sync_timeout) if settle else 0  # aborted requests' outputs arrive

@@ -1,5 +1,5 @@
 """Crash and resume: the driver is stopped by SIGUSR1 (pre-emption) and killed with SIGKILL at several points
-(during a checkpoint write, at random moments that include weight syncs), resumed each time, and the rollout
+(during a checkpoint write, during a weight sync, at random moments), resumed each time, and the rollout
 ledger shows that every drawn dataset index was consumed at most once, none lost (each is in the ledger or in
 the final checkpoint), no rollout trained on twice, and the staleness bound held throughout."""
 import collections
@@ -22,7 +22,7 @@ from mega_async.rollout.dataloader import EpochLoader
 from mega_async.rollout.ledger import read_ledger
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, B, ETA = 6, 4, 1
+STEPS, B, ETA = 8, 4, 1
 OVERRIDES = [f"trainer.total_steps={STEPS}", "trainer.save_interval=1", f"rollout.consumer_batch_size={B}",
              f"rollout.max_staleness={ETA}", "rollout.max_new_tokens=16", "logging.tensorboard=false",
              "trainer.verify_sync=false", "trainer.resume=auto"]
@@ -37,7 +37,7 @@ def start(root: Path, log: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def wait_for(cond, proc, log: Path, timeout=600) -> bool:
+def wait_for(cond, proc, log: Path, timeout=600, poll=0.05) -> bool:
     """True once `cond()` holds; False if the run ended first (successfully)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -46,10 +46,24 @@ def wait_for(cond, proc, log: Path, timeout=600) -> bool:
         if proc.poll() is not None:
             assert proc.returncode == 0, f"the run failed before its stop point:\n{log.read_text()[-3000:]}"
             return False
-        time.sleep(0.05)
+        time.sleep(poll)
     stacks = subprocess.run(["py-spy", "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True, text=True).stdout \
         if shutil.which("py-spy") else "(py-spy not installed: no stacks)"
     raise AssertionError(f"timed out waiting for the stop point; driver log:\n{log.read_text()[-4000:]}\n{stacks}")
+
+
+def in_weight_sync(run: Path) -> bool:
+    """The newest whole-sync event on the timeline is a start: the trainer is pushing weights right now."""
+    p = run / "events.jsonl"
+    if not p.exists():
+        return False
+    with p.open("rb") as f:
+        f.seek(max(0, p.stat().st_size - 8192))
+        tail = f.read().decode(errors="replace").splitlines()[1:]
+    for line in reversed(tail):
+        if '"phase": "push"' in line:
+            return '"sync_start"' in line
+    return False
 
 
 def metrics_lines(run: Path) -> int:
@@ -81,21 +95,22 @@ def test_crash_and_resume_lose_nothing_and_train_nothing_twice(tmp_path):
     p.send_signal(signal.SIGUSR1)
     assert p.wait(timeout=300) == 0
     assert "preempted after step" in log.read_text()
-    # 2) SIGKILL during a checkpoint write, then at random moments after some steps
-    points = [("checkpoint write", lambda: any((run / "checkpoints").glob("*.partial")))]
+    # 2) SIGKILL during a checkpoint write, during a weight sync, then at random moments after some steps
+    points = [("checkpoint write", lambda: any((run / "checkpoints").glob("*.partial"))),
+              ("weight sync", lambda: in_weight_sync(run))]
     points += [(f"at a random moment after {k} more steps", k) for k in (1, 2)]
     for what, cond in points:
         p = start(root, log)
         if callable(cond):
-            reached = wait_for(cond, p, log)
+            reached = wait_for(cond, p, log, poll=0.002)  # a sync of the tiny model takes ~0.1 s
         else:
             base = metrics_lines(run)
             reached = wait_for(lambda: metrics_lines(run) >= base + cond, p, log)
             time.sleep(rng.uniform(0.0, 3.0))
         if not reached or p.poll() is not None:
             break  # the run finished first: nothing left to kill
-        ports = server_ports(run)
         os.killpg(p.pid, signal.SIGKILL)
+        ports = server_ports(run)
         p.wait()
         deadline = time.monotonic() + 20
         while any(port_open(x) for x in ports) and time.monotonic() < deadline:
