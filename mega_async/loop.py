@@ -206,12 +206,14 @@ class RolloutOwner:
             settle = getattr(self.service.engine, "settle", None)
             held = settle(self.cfg.trainer.sync_timeout) if settle else 0  # aborted requests' outputs arrive
             if held:
-                logger.info("checkpoint: %d requests sent as the pause began wait in the paused servers' "
-                            "queues (no tokens yet); their episodes are saved up to their last token", held)
+                logger.info("checkpoint: %d requests still in flight 2 s after the pause (normally sent as it "
+                            "began and queued by the paused servers with no new tokens); their episodes are "
+                            "saved up to their last received token and continue from there", held)
             state = {"executor": self.ex.snapshot(), "loader": self.loader.state_dict(),
                      "rewards": self.rewards.state_dict()}
-            sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size(),
-                     "events_bytes": self.events.size()}
+            sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size()}
+            if isinstance(self.events, EventLog):  # no timeline: nothing to cut back on resume
+                sizes["events_bytes"] = self.events.size()
         return state, sizes
 
     def restore(self, state: dict, version: int) -> None:

@@ -47,13 +47,17 @@ def wait_for(cond, proc, log: Path, timeout=600, poll=0.05) -> bool:
             assert proc.returncode == 0, f"the run failed before its stop point:\n{log.read_text()[-3000:]}"
             return False
         time.sleep(poll)
-    stacks = subprocess.run(["py-spy", "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True, text=True).stdout \
-        if shutil.which("py-spy") else "(py-spy not installed: no stacks)"
+    stacks = "(py-spy not installed: no stacks)"
+    if shutil.which("py-spy"):
+        spy = subprocess.run(["py-spy", "dump", "--subprocesses", "--pid", str(proc.pid)], capture_output=True,
+                             text=True, timeout=60)
+        stacks = spy.stdout + spy.stderr
     raise AssertionError(f"timed out waiting for the stop point; driver log:\n{log.read_text()[-4000:]}\n{stacks}")
 
 
-def in_weight_sync(run: Path) -> bool:
-    """The newest whole-sync event on the timeline is a start: the trainer is pushing weights right now."""
+def in_weight_sync(run: Path, since: float) -> bool:
+    """The newest whole-sync event on the timeline, written after `since` (unix time: by the process being
+    watched, not by the one killed before it), is a start: the trainer is pushing weights right now."""
     p = run / "events.jsonl"
     if not p.exists():
         return False
@@ -62,7 +66,22 @@ def in_weight_sync(run: Path) -> bool:
         tail = f.read().decode(errors="replace").splitlines()[1:]
     for line in reversed(tail):
         if '"phase": "push"' in line:
-            return '"sync_start"' in line
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            return ev["t"] >= since and ev["kind"] == "sync_start"
+    return False
+
+
+def partial_since(run: Path, since: float) -> bool:
+    """A checkpoint write begun after `since` is under way (not a leftover of the run killed before)."""
+    for d in (run / "checkpoints").glob("*.partial"):
+        try:
+            if d.stat().st_mtime >= since:
+                return True
+        except FileNotFoundError:  # renamed meanwhile: the write finished
+            pass
     return False
 
 
@@ -96,13 +115,15 @@ def test_crash_and_resume_lose_nothing_and_train_nothing_twice(tmp_path):
     assert p.wait(timeout=300) == 0
     assert "preempted after step" in log.read_text()
     # 2) SIGKILL during a checkpoint write, during a weight sync, then at random moments after some steps
-    points = [("checkpoint write", lambda: any((run / "checkpoints").glob("*.partial"))),
-              ("weight sync", lambda: in_weight_sync(run))]
+    points = [("checkpoint write", lambda since: partial_since(run, since)),
+              ("weight sync", lambda since: in_weight_sync(run, since))]
     points += [(f"at a random moment after {k} more steps", k) for k in (1, 2)]
     for what, cond in points:
+        since = time.time()
         p = start(root, log)
-        if callable(cond):
-            reached = wait_for(cond, p, log, poll=0.002)  # a sync of the tiny model takes ~0.1 s
+        if callable(cond):  # a sync of the tiny model takes ~0.1 s: poll often
+            reached = wait_for(lambda: cond(since), p, log, poll=0.002)
+            assert reached, f"the run ended before the driver could be killed ({what})"
         else:
             base = metrics_lines(run)
             reached = wait_for(lambda: metrics_lines(run) >= base + cond, p, log)

@@ -185,19 +185,21 @@ def test_settle_waits_for_aborted_outputs_not_for_requests_held_by_the_pause(ser
         await asyncio.sleep(0.7)
         client.pause()
         await client.pause_generation()
-        aborted_back = await asyncio.to_thread(client.settle, 60.0, 0.5)  # the aborted request's output came
-        got = len(partial.output_tokens)
-        held_req = ModelRequest(input_ids=PROMPT, max_new_tokens=8, temperature=0.0, rid="settle-b")
-        held = asyncio.create_task(client._generate_once("settle-b", {  # sent while paused, as in the race
-            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
-            "return_logprob": True, "rid": held_req.rid}))
-        while not sum(x.in_flight for x in client.servers):
-            await asyncio.sleep(0.01)
-        t0 = time.monotonic()
-        still = await asyncio.to_thread(client.settle, 60.0, 0.5)
-        waited = time.monotonic() - t0
-        await client.continue_generation()
-        client.resume()
+        held = None
+        try:  # the module's server is shared: never leave it paused
+            aborted_back = await asyncio.to_thread(client.settle, 60.0, 0.5)  # the aborted output came back
+            got = len(partial.output_tokens)
+            held = asyncio.create_task(client._generate_once("settle-b", {  # sent while paused, as in the race
+                "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+                "return_logprob": True, "rid": "settle-b"}))
+            while not sum(x.in_flight for x in client.servers):
+                await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            still = await asyncio.to_thread(client.settle, 60.0, 0.5)
+            waited = time.monotonic() - t0
+        finally:
+            await client.continue_generation()
+            client.resume()
         out = await held
         resp = await running
         return aborted_back, got, still, waited, out, resp

@@ -101,7 +101,7 @@ def test_disconnect_frees_the_slot_and_the_rid(server):
 
     async def main():
         body = {"input_ids": [5, 6, 7], "rid": "gone-1",
-                "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
         reader, writer = await asyncio.open_connection(*addr.split(":"))
         data = json.dumps(body).encode()
         writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -126,9 +126,9 @@ def test_disconnect_frees_the_slot_and_the_rid(server):
 
 
 @pytest.mark.parametrize("path,body", [
-    ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 3000,
+    ("/generate", {"input_ids": [5, 6, 7], "stream": True, "sampling_params": {"max_new_tokens": 4000,
                                                                               "ignore_eos": True}}),
-    ("/v1/completions", {"model": "m", "prompt": [5, 6, 7], "stream": True, "max_tokens": 3000,
+    ("/v1/completions", {"model": "m", "prompt": [5, 6, 7], "stream": True, "max_tokens": 4000,
                          "ignore_eos": True}),
 ])
 def test_stream_disconnect_cancels_the_request(server, path, body):
@@ -154,7 +154,7 @@ def test_stream_disconnect_cancels_the_request(server, path, body):
     freed_after, got = run(main())
     assert got.startswith(b"HTTP/1.1 200") and b"text/event-stream" in got
     assert get(addr, "/server_info")[1]["num_running_reqs"] == 0, "the disconnected stream is still decoding"
-    assert freed_after < 5
+    assert freed_after < 3  # 4000 tokens take far longer: the request was cancelled, it did not just finish
     st, out = post(addr, "/generate", {"input_ids": [5, 6, 7], "rid": body["rid"], "sampling_params": {"max_new_tokens": 2}})
     assert st == 200 and len(out["output_ids"]) == 2  # same rid again: not a duplicate
 

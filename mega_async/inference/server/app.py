@@ -299,7 +299,8 @@ class EmbeddedServer:
     async def streaming(self, request: web.Request, reqs: list[tuple[GenRequest, Options]]
                         ) -> AsyncIterator[tuple[web.StreamResponse, list[Tracked]]]:
         """An SSE response's bracket (native and OpenAI streams): rids claimed, the response prepared and the
-        requests submitted; a client that goes away cancels them; the rids are released at the end."""
+        requests submitted; however the stream ends (client gone, an error), its unfinished requests are
+        cancelled; the rids are released at the end."""
         self._claim_rids([r.rid for r, _ in reqs])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         tracked: list[Tracked] = []
@@ -307,11 +308,10 @@ class EmbeddedServer:
             await resp.prepare(request)
             tracked.extend(await self.submit(reqs, stream=True))
             yield resp, tracked
-        except (asyncio.CancelledError, ConnectionError):
-            for t in tracked:
-                self.engine.cancel(t.req)
-            raise
         finally:
+            for t in tracked:
+                if not t.done.done():  # nobody reads it any more: free its row before the next decode step
+                    self.engine.cancel(t.req)
             self._rids.difference_update(r.rid for r, _ in reqs)
 
     @staticmethod
@@ -333,10 +333,12 @@ class EmbeddedServer:
             sent = [-1] * len(tracked)
             while True:
                 for k, t in enumerate(tracked):
-                    n, fin = len(t.req.output_ids), t.done.done()
-                    if sent[k] == -2 or not (fin or n - max(sent[k], 0) >= t.opts.stream_interval):
+                    if sent[k] == -2:
                         continue
-                    t.changed.clear()
+                    t.changed.clear()  # before reading: a token after this wakes next_change again
+                    n, fin = len(t.req.output_ids), t.done.done()
+                    if not (fin or n - max(sent[k], 0) >= t.opts.stream_interval):
+                        continue  # below its stream_interval: wait for more (not a busy loop)
                     chunk = self.body(t)
                     if many:
                         chunk["index"] = k
