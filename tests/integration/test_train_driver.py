@@ -117,9 +117,12 @@ def test_failed_sync_stops_every_rank_with_one_line(model, tmp_path, short_serve
 
 @pytest.mark.slow  # runs in CI's second step: keeps the default suite under 20 minutes on 2 cores
 def test_ctrl_c_stops_all_ranks_and_servers(model, tmp_path):
+    # SIGINT as a terminal has it: a test run started in the background (`cmd &` without job control)
+    # inherits SIGINT ignored, and Python then keeps ignoring it in the child, as any Unix program does
     p = subprocess.Popen(train_cmd(model, tmp_path, "sglang:d1+megatron:d2", "trainer.total_steps=200"),
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env={**os.environ, "PYTHONPATH": str(ROOT)},
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "runs" / "tiny_cpu" / "run0" / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
