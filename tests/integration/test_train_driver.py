@@ -2,6 +2,7 @@
 embedded servers and the distributed weight sync verified after every step: TP2, EP2 (DP2), PP2 and
 TP2+EP2 with one and two servers. A failed sync and Ctrl-C stop every rank and server with one error line.
 Some cases are marked slow so the default suite stays under 20 minutes; CI's second step runs them."""
+import contextlib
 import json
 import os
 import signal
@@ -124,17 +125,23 @@ def test_ctrl_c_stops_all_ranks_and_servers(model, tmp_path):
                          env={**os.environ, "PYTHONPATH": str(ROOT)},
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     metrics = tmp_path / "runs" / "tiny_cpu" / "run0" / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
-        assert p.poll() is None, p.stderr.read()[-4000:]
-        time.sleep(0.5)
-    assert metrics.exists(), "the run never finished a step"
-    os.killpg(p.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
-    _, err = p.communicate(timeout=120)
-    assert p.returncode != 0
-    assert "interrupted" in err.strip().splitlines()[-1]
-    time.sleep(1)
-    assert not leftovers(tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (metrics.exists() and metrics.read_text().strip()):
+            assert p.poll() is None, p.stderr.read()[-4000:]
+            time.sleep(0.5)
+        assert metrics.exists(), "the run never finished a step"
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal sends to the whole foreground group
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "interrupted" in err.strip().splitlines()[-1]
+        time.sleep(1)
+        assert not leftovers(tmp_path)
+    finally:  # a failing run of this test leaves nothing running (the ranks' servers die with them)
+        for proc in psutil.process_iter(["pid", "cmdline"]):
+            if proc.info["pid"] != os.getpid() and str(tmp_path) in " ".join(proc.info["cmdline"] or []):
+                with contextlib.suppress(psutil.Error):
+                    proc.kill()
 
 
 @pytest.mark.slow  # the default suite keeps the distributed failure case
