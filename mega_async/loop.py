@@ -206,9 +206,9 @@ class RolloutOwner:
             settle = getattr(self.service.engine, "settle", None)
             held = settle(self.cfg.trainer.sync_timeout) if settle else 0  # aborted requests' outputs arrive
             if held:
-                logger.info("checkpoint: %d requests still in flight after 2 s without a reply (normally sent "
-                            "as the pause began, queued by the paused servers with no new tokens); their episodes "
-                            "are saved up to their last received token and continue from there", held)
+                logger.info("checkpoint: %d requests still in flight after settling (normally sent as the pause "
+                            "began, queued by the paused servers with no new tokens); their episodes are saved up "
+                            "to their last received token and continue from there", held)
             state = {"executor": self.ex.snapshot(), "loader": self.loader.state_dict(),
                      "rewards": self.rewards.state_dict()}
             sizes = {"ledger_bytes": self.ledger.size(), "metrics_bytes": self.metrics.size()}

@@ -111,6 +111,9 @@ def token_versions(spans: Any, n: int, fallback: int) -> list[int]:
     return out
 
 
+SETTLE_QUIET_S = 2.0  # settle(): no reply for this long means what is left in flight is held by a paused server
+
+
 class SGLangClient:
     def __init__(
         self,
@@ -332,7 +335,7 @@ class SGLangClient:
     def resume(self) -> None:
         self._unpaused.set()
 
-    def settle(self, timeout: float, quiet: float = 2.0) -> int:
+    def settle(self, timeout: float, quiet: float = SETTLE_QUIET_S) -> int:
         """After the servers paused (abort mode): block until every aborted request's partial output has come
         back, so a snapshot holds it. SGLang's pause returns once the aborted requests are done; what is still
         in flight after `quiet` seconds without a reply was sent as the pause began and waits, with no new

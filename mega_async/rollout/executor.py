@@ -169,9 +169,7 @@ class WorkflowExecutor:
         async def episode(head_version: int) -> Any:
             with self._cond:
                 if tid not in self._running_heads:  # a restored episode is registered at submit
-                    task.head = head_version
-                    self._running_heads[tid] = head_version
-                    self._running_by_head[head_version] += 1
+                    self._mark_running(tid, task, head_version)
             self.events.emit("episode_admitted", task=tid, head=head_version)
             return await wf.arun_episode(JournaledEngine(self.engine, task.journal), data)
 
@@ -184,9 +182,7 @@ class WorkflowExecutor:
             else:
                 self.staleness.on_submitted()  # admitted before the checkpoint: counted as running again
                 with self._cond:  # running from now on: no batch may overtake its (older) head version
-                    task.head = head
-                    self._running_heads[tid] = head
-                    self._running_by_head[head] += 1
+                    self._mark_running(tid, task, head)
                 self._runner.start_admitted(tid, episode, head, on_done)
         except RunnerError:
             if head is None:
@@ -194,10 +190,17 @@ class WorkflowExecutor:
             self.staleness.on_rejected()
             with self._cond:
                 self._tasks.pop(tid, None)
-                if self._running_heads.pop(tid, None) is not None:
-                    self._dec(self._running_by_head, head)
+                registered = self._running_heads.pop(tid, None)
+                if registered is not None:
+                    self._dec(self._running_by_head, registered)
             raise
         return tid
+
+    def _mark_running(self, tid: int, task: _Task, head: int) -> None:
+        """Caller holds the lock: the episode runs under `head` (the readiness check counts it)."""
+        task.head = head
+        self._running_heads[tid] = head
+        self._running_by_head[head] += 1
 
     def _on_done(self, tid: int, data: Any, result: Any, exc: Optional[BaseException]) -> None:
         with self._cond:
