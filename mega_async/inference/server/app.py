@@ -32,33 +32,55 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class RWLock:
-    """Generate requests are readers; a weight update without a pause is the writer."""
+    """Generate requests are readers; a weight update without a pause is the writer (a waiting writer holds
+    back new readers).
+
+    Cancellation-safe: handlers are cancelled when their client disconnects, at any await. An acquire that is
+    cancelled takes nothing (a writer cancelled while it waits for the readers gives the lock back), and the
+    releases do not await, so a handler cancelled in its `finally` still releases.
+    """
 
     def __init__(self) -> None:
-        self._cond = asyncio.Condition()
         self._readers = 0
-        self._writer = False
+        self._writer = False  # held by a writer, or claimed by one waiting for the readers to finish
+        self._waiters: list[asyncio.Future] = []
+
+    def _wake(self) -> None:
+        for f in self._waiters:
+            if not f.done():
+                f.set_result(None)
+        self._waiters.clear()
+
+    async def _wait_until(self, ready: Callable[[], bool]) -> None:
+        while not ready():
+            f = asyncio.get_running_loop().create_future()
+            self._waiters.append(f)
+            try:
+                await f
+            finally:
+                if f in self._waiters:
+                    self._waiters.remove(f)
 
     async def acquire_read(self) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writer)
-            self._readers += 1
+        await self._wait_until(lambda: not self._writer)
+        self._readers += 1
 
-    async def release_read(self) -> None:
-        async with self._cond:
-            self._readers -= 1
-            self._cond.notify_all()
+    def release_read(self) -> None:
+        self._readers -= 1
+        self._wake()
 
     async def acquire_write(self) -> None:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writer)
-            self._writer = True
-            await self._cond.wait_for(lambda: self._readers == 0)
+        await self._wait_until(lambda: not self._writer)
+        self._writer = True
+        try:
+            await self._wait_until(lambda: self._readers == 0)
+        except BaseException:  # cancelled (its client gave up): the readers it held back may run again
+            self.release_write()
+            raise
 
-    async def release_write(self) -> None:
-        async with self._cond:
-            self._writer = False
-            self._cond.notify_all()
+    def release_write(self) -> None:
+        self._writer = False
+        self._wake()
 
 
 class Tracked:
@@ -272,7 +294,7 @@ class EmbeddedServer:
                 tracked = await self.submit(reqs)
                 await asyncio.gather(*(t.done for t in tracked))
             finally:
-                await self._lock.release_read()
+                self._lock.release_read()
         except asyncio.CancelledError:
             for t in tracked:
                 self.engine.cancel(t.req)
@@ -414,7 +436,7 @@ class EmbeddedServer:
         try:
             return await asyncio.wrap_future(self.engine.run_command(fn))
         finally:
-            await self._lock.release_write()
+            self._lock.release_write()
 
     def _replier(self, handler: Callable[[dict], Any]) -> Callable[[web.Request], Any]:
         async def reply(request: web.Request) -> web.Response:
