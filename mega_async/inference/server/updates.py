@@ -29,8 +29,14 @@ logger = logging.getLogger("mega_async.inference.server.updates")
 Reply = tuple[int, dict]
 
 
-def in_thread(fn: Callable[[], Any]) -> Awaitable[Any]:
-    """Run a blocking call (rendezvous, broadcast) in a daemon thread, so a stuck peer never blocks shutdown."""
+async def in_thread(fn: Callable[[], Any], undo: Optional[Callable[[Any], None]] = None) -> Any:
+    """Run a blocking call (rendezvous, broadcast) in a daemon thread, so a stuck peer never blocks shutdown.
+
+    A handler cancelled meanwhile (its client gave up) still waits for the call to end before it unwinds, so the
+    lock held around a broadcast is released only once that collective is over (the next bucket never shares the
+    group with it, nor is the group destroyed under it); `undo` disposes of the result nobody takes then (a
+    group joined for a client that is gone). The wait is bounded by the group's timeout.
+    """
     loop = asyncio.get_running_loop()
     fut = loop.create_future()
 
@@ -42,7 +48,13 @@ def in_thread(fn: Callable[[], Any]) -> Awaitable[Any]:
         loop.call_soon_threadsafe(lambda: fut.done() or (fut.set_exception(exc) if exc else fut.set_result(res)))
 
     threading.Thread(target=run, name="weight-sync", daemon=True).start()
-    return fut
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        await asyncio.wait([fut])
+        if undo is not None and fut.exception() is None:
+            threading.Thread(target=undo, args=(fut.result(),), name="weight-sync-undo", daemon=True).start()
+        raise
 
 
 def receive(group: WeightGroup, upd: DistributedUpdate, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -228,7 +240,7 @@ class WeightUpdates:
         try:
             self.groups[req.group_name] = await in_thread(lambda: WeightGroup(
                 req.backend, req.master_address, req.master_port, req.world_size, req.rank, req.group_name,
-                req.timeout_s))
+                req.timeout_s), undo=WeightGroup.destroy)
         except Exception as e:  # noqa: BLE001 - rendezvous/backend errors: nothing was registered
             logger.warning("joining weight group %r failed: %s", req.group_name, e)
             return 400, result_body(False, f"Failed to initialize custom process group: {type(e).__name__}: {e}.")
