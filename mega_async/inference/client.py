@@ -20,6 +20,7 @@ from typing import Any, Optional, Sequence
 import aiohttp
 
 from mega_async.events import NullEventLog
+from mega_async.inference.sglang_releases import BEGIN_TWICE, Release, untested_reason
 from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
@@ -67,6 +68,8 @@ class _Server:
     last_probe: float = 0.0
     failures: int = field(default=0)  # 5xx answers in a row
     dropped: Optional[str] = None  # why it was dropped for good (kept answering 5xx)
+    release: Optional[Release] = None  # its SGLang release's weight-sync protocol, learned once
+    session_open: bool = False  # a weight-update session (SGLang 0.5.21+) we opened and have not closed
 
 
 def merge_routed_experts(held: Any, encoded: Optional[str], total_rows: int, start: int) -> Any:
@@ -416,6 +419,98 @@ class SGLangClient:
         if load_format is not None:
             body["load_format"] = load_format
         await self._post_all("/update_weights_from_distributed", body, timeout=timeout)
+
+    # ---- weight-update sessions (SGLang 0.5.21+) ------------------------------------------------
+    async def learn_releases(self, timeout: Optional[float] = None) -> list[Release]:
+        """Each server's SGLang release, asked once (`version` of /server_info, else /get_server_info).
+
+        A server whose version cannot be read (None) learns whether it needs sessions from its first
+        /begin_weight_update (404: a release before 0.5.21). Servers of different releases may serve one run:
+        each is spoken to in its own protocol."""
+        async def one(s: _Server) -> Release:
+            if s.release is None:
+                version: Any = None
+                for path in ("/server_info", "/get_server_info"):
+                    try:
+                        status, out = await self._request("GET", s, path, timeout=timeout)
+                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                        raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+                    if status == 200 and isinstance(out, dict):
+                        version = out.get("version")
+                        break
+                    if status != 404:
+                        raise ServerError(f"{s.address}{path} answered {status}: {_error_message(out)}")
+                s.release = Release.of(version)
+                why = untested_reason(version)
+                if why and s.release.sessions is not None:
+                    logger.warning("server %s: %s; speaking the protocol of its release line", s.address, why)
+            return s.release
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def begin_weight_update(self, selector: str = "all", timeout: Optional[float] = None) -> None:
+        """Open a weight-update session on every server whose release needs one (POST /begin_weight_update).
+
+        Raises ServerError naming the first server that refused; servers opened before it stay marked open,
+        so the caller's `end_weight_update(check=False)` closes exactly those. A session left open by a trainer
+        that died mid-sync is closed and opened again (SGLang refuses a second begin)."""
+        await self.learn_releases(timeout)
+
+        async def one(s: _Server) -> None:
+            if s.release is not None and s.release.sessions is False:
+                return
+            for attempt in (0, 1):
+                status, out = await self._control(s, "/begin_weight_update", {"selector": selector}, timeout)
+                if status == 200 and not (isinstance(out, dict) and out.get("success") is False):
+                    s.session_open = True
+                    if s.release is None or s.release.sessions is None:
+                        s.release = Release(s.release.version if s.release else None, True)
+                    return
+                if status == 404 and not (s.release and s.release.sessions):
+                    s.release = Release(s.release.version if s.release else None, False)  # before 0.5.21
+                    return
+                msg = _error_message(out)
+                if attempt == 0 and status == 400 and BEGIN_TWICE.split(";")[0] in msg:
+                    logger.warning("server %s had a weight-update session open (a sync that died?): closing it",
+                                   s.address)
+                    await self._control(s, "/end_weight_update", {}, timeout)
+                    continue
+                raise ServerError(f"{s.address}/begin_weight_update answered {status}: {msg}")
+
+        await asyncio.gather(*(one(s) for s in self.servers))
+
+    async def end_weight_update(self, check: bool = True, timeout: Optional[float] = None) -> None:
+        """Close the sessions this client opened (POST /end_weight_update: SGLang finalizes the load here).
+        `check=False`: never raises (failure paths: every open session is closed, whatever else went wrong)."""
+        async def one(s: _Server) -> Optional[str]:
+            if not s.session_open:
+                return None
+            try:
+                status, out = await self._control(s, "/end_weight_update", {}, timeout)
+            except ServerError as e:
+                return str(e)  # unreachable: its session state is unknown, tried again on the next close
+            s.session_open = False  # any answer: SGLang's end clears the session (or there was none)
+            if status != 200 or (isinstance(out, dict) and out.get("success") is False):
+                return f"{s.address}/end_weight_update answered {status}: {_error_message(out)}"
+            return None
+
+        errors = [e for e in await asyncio.gather(*(one(s) for s in self.servers)) if e]
+        if errors and check:
+            raise ServerError("; ".join(errors))
+        for e in errors:
+            logger.warning("closing a weight-update session: %s", e)
+
+    async def _control(self, s: _Server, path: str, body: dict, timeout: Optional[float]) -> tuple[int, Any]:
+        try:
+            return await self._request("POST", s, path, body, timeout=timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
+            raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+
+    @property
+    def sessions_open(self) -> list[str]:
+        """Servers with a weight-update session this client opened and has not closed."""
+        return [s.address for s in self.servers if s.session_open]
 
     async def rollback_weights(self) -> list[Any]:
         """Ask every server to drop the weight updates of the current pause (embedded servers restore the

@@ -166,17 +166,23 @@ class WeightSync:
                 errors = _agree(enter_error, self.group)
             if not errors:
                 try:
-                    with self.events.span("sync", phase="update", version=target):
-                        errors = _agree(self._guarded(self._update, target), self.group)
+                    errors = _agree(self._guarded(self._begin, target), self.group)  # sessions (SGLang 0.5.21+)
+                    if not errors:
+                        with self.events.span("sync", phase="update", version=target):
+                            errors = _agree(self._guarded(self._update, target), self.group)
                     if not errors:
                         errors = _agree(self._guarded(self._commit, target), self.group)
+                    if not errors:
+                        errors = _agree(self._guarded(self._end, target), self.group)
                 except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue
                     self._abort()
                     self._rollback()
+                    self._end_quietly()
                     raise
                 if errors:
                     self._abort()  # a receive still waiting on a broken group fails now instead of at its timeout
                     rolled = self._rollback()  # still inside the bracket: servers drop this sync, then continue
+                    self._end_quietly()  # no server is left with a weight-update session open
                 elif self.rollout is not None:
                     self.version.set(target)
         if errors:
@@ -278,6 +284,17 @@ class WeightSync:
                            "until the next successful sync or a reload", server)
         return (f"servers {', '.join(bad)} could not roll back (no /rollback_weights: real SGLang) and may serve "
                 "partially updated weights" if bad else None)
+
+    def _begin(self, target: int) -> Optional[str]:
+        """Inside the bracket, before any weight moves (distributed: open the servers' weight-update sessions)."""
+        return None
+
+    def _end(self, target: int) -> Optional[str]:
+        """After the commit (distributed: close the sessions; SGLang finalizes the load there)."""
+        return None
+
+    def _end_quietly(self) -> None:
+        """On every failure path, after the rollback: close whatever session is still open; never raises."""
 
     def _abort(self) -> None:
         """Right after a failure, before the rollback (distributed: drop this rank's side of the group)."""
@@ -432,6 +449,7 @@ class DistributedWeightSync(WeightSync):
         self.client: Any = None
         self.pg: Any = None
         self._init_error: Optional[str] = None
+        self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
         if self.resharder.is_stage_head:
             try:
                 from mega_async.inference.client import SGLangClient
@@ -440,6 +458,11 @@ class DistributedWeightSync(WeightSync):
                     raise ValueError("no server addresses: the distributed sync needs inference servers")
                 self.client = self.rollout.client if self.rollout is not None else SGLangClient(
                     list(addresses), api_key=api_key, request_timeout=self.timeout)
+                if self.rollout is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
+                    releases = self._loop.run(self.client.learn_releases(self.timeout), self.timeout + 10)
+                    logger.info("servers' SGLang releases: %s", ", ".join(
+                        f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}"
+                        for a, r in zip(self.client.addresses, releases)))
                 self._init_group(master_address or _reachable_address(addresses))
             except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
                 self._init_error = f"{type(e).__name__}: {e}"
@@ -526,6 +549,29 @@ class DistributedWeightSync(WeightSync):
                                                                        timeout=self.timeout), self.timeout + 10)
         return None
 
+    def _begin(self, target: int) -> Optional[str]:
+        """Rank 0 opens a weight-update session on every server whose release needs one (SGLang 0.5.21+:
+        distributed updates outside one are refused), before any stage streams its first bucket."""
+        if self.rollout is not None and self.pg is not None:
+            self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + 10)
+        return None
+
+    def _end(self, target: int) -> Optional[str]:
+        if self.rollout is not None and self.client is not None:
+            self._loop.run(self.client.end_weight_update(timeout=self.timeout), self.timeout + 10)
+        return None
+
+    def _end_quietly(self) -> None:
+        if self.rollout is None or self.client is None:
+            return
+        try:
+            self._loop.run(self.client.end_weight_update(check=False, timeout=self.timeout), self.timeout + 10)
+        except Exception as e:  # noqa: BLE001 - the sync has failed already; this must not hide why
+            logger.warning("closing the servers' weight-update sessions failed: %s: %s", type(e).__name__, e)
+        if self.client.sessions_open:
+            logger.warning("servers %s may still have a weight-update session open (unreachable); the next "
+                           "sync closes and reopens it", ", ".join(self.client.sessions_open))
+
     def _start(self, bucket: Any, target: int, stats: dict) -> tuple:
         """POST the bucket (HTTP thread), then start its broadcast(s) without waiting."""
         t0 = time.perf_counter()
@@ -544,9 +590,24 @@ class DistributedWeightSync(WeightSync):
         return works, fut, payload
 
     def _finish(self, pending: tuple, stats: dict) -> None:
-        """Wait for a bucket's broadcasts, then for every server's reply (a 400 raises with its message)."""
-        works, fut, _payload = pending  # the payload must live until the broadcast is done
+        """Wait for a bucket's broadcasts while watching the servers' replies, then for every reply.
+
+        A server that refuses the bucket (400) answers without joining the broadcast, which then cannot
+        complete: its refusal ends the wait at once (the broadcast is abandoned, the group dropped by the
+        failure path), instead of after `trainer.sync_timeout`."""
+        works, fut, payload = pending  # the payload must live until the broadcast is done
         t0 = time.perf_counter()
+        deadline, nap = t0 + self.timeout, 2e-4
+        while not all(w.is_completed() for w in works):
+            if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                self._abandoned.append((works, payload, self.pg))  # gloo may still be sending from these
+                raise SyncError(f"{fut.exception()} (the bucket's broadcast was abandoned)")
+            if time.perf_counter() > deadline:
+                fut.cancel()
+                self._abandoned.append((works, payload, self.pg))
+                raise SyncError(f"a bucket's broadcast did not complete within trainer.sync_timeout={self.timeout:g}s")
+            concurrent.futures.wait([fut], timeout=nap)  # wakes at once when a reply arrives
+            nap = min(2 * nap, 5e-3)
         try:
             for w in works:
                 w.wait()

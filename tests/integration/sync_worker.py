@@ -1,7 +1,11 @@
 """One trainer rank and two embedded servers: drive DistributedWeightSync through one case, write JSON.
 
     inflight    long requests are in flight when the weights change: they are aborted, resumed, and
-                finish with versions spanning the update
+                finish with versions spanning the update. Server 0 mirrors SGLang 0.5.20 (no weight-update
+                sessions), server 1 SGLang 0.5.23 (sessions required) and has a session left open by a trainer
+                that died; afterwards no session is open. Then a trainer that opens no session (as before
+                0.5.21) pushes one big bucket: server 1 refuses it at once and the sync fails without
+                waiting for trainer.sync_timeout
     bad_server  server 1 runs a model without layer 3: it answers 400 in the middle of the buckets
     kill        server 1 is killed after the first bucket
 After a failure both live servers must serve their old weights, continued, at version 0.
@@ -39,10 +43,13 @@ def main() -> None:
     ap.add_argument("--case", required=True, choices=["inflight", "bad_server", "kill"])
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", required=True)
+    ap.add_argument("--sglang-versions", default="0.5.23,0.5.23", help="the release each server mirrors")
     args = ap.parse_args()
+    mirrors = args.sglang_versions.split(",")
     models = build_model(args.model, "megatron:d1", load_weights=True)
     launchers = [ServerLauncher(ServerSpec("embedded", m, num_servers=1, num_threads=1,
-                                           extra_args=["--weight-update-timeout", "20"]),
+                                           extra_args=["--weight-update-timeout", "20",
+                                                       "--sglang-version", mirrors[i]]),
                                 log_dir=f"{args.logs}/s{i}", startup_timeout=120)
                  for i, m in enumerate([args.model, args.second_model])]
     result: dict = {"case": args.case}
@@ -67,7 +74,9 @@ def main() -> None:
 
             sync.resharder.buckets = killing
         responses: list = []
-        if args.case == "inflight":
+        if args.case == "inflight":  # a session left open on the 0.5.23 server by a trainer that died mid-sync
+            result["stale_begin"] = asyncio.run(client._request("POST", client.servers[1], "/begin_weight_update",
+                                                                {"selector": "all"}))[0]
             reqs = [ModelRequest(input_ids=PROBE[:3 + i % 3], max_new_tokens=300, ignore_eos=True) for i in range(8)]
             async def all_requests() -> list:
                 return list(await asyncio.gather(*(client.agenerate(r) for r in reqs)))
@@ -95,6 +104,25 @@ def main() -> None:
         live = [0] if args.case == "kill" else [0, 1]
         result["after"] = {i: probe(client, i) for i in live}
         result["version"] = version.value
+        result["releases"] = [[r.version, r.sessions] for r in asyncio.run(client.learn_releases())]
+        result["sessions_open"] = client.sessions_open
+        # what each live server says of its session now: 400 "no weight-update session is open" (0.5.23), 404 (0.5.20)
+        result["end_probe"] = {i: list(asyncio.run(client._request("POST", client.servers[i], "/end_weight_update",
+                                                                    {}))) for i in live}
+        if args.case == "inflight" and result["error"] is None:
+            sync._begin = lambda target: None  # a trainer written for SGLang < 0.5.21
+            sync.resharder.bucket_bytes = 1 << 30  # one bucket, larger than the sockets' buffers
+            with torch.no_grad():
+                for p in models[0].parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+            t0 = time.monotonic()
+            try:
+                sync.push()
+                result["refused_error"] = None
+            except SyncError as e:
+                result["refused_error"] = str(e)
+            result["refused_s"] = time.monotonic() - t0
+            result["refused_version"] = version.value
         sync.close()
     finally:
         for launcher in launchers:

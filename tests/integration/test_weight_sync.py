@@ -24,10 +24,10 @@ def cards(tmp_path_factory):
     return good, short
 
 
-def run_case(case: str, first: Path, second: Path, tmp: Path) -> dict:
+def run_case(case: str, first: Path, second: Path, tmp: Path, mirrors: str = "0.5.23,0.5.23") -> dict:
     out = tmp / "result.json"
     cmd = [sys.executable, str(WORKER), "--model", str(first), "--second-model", str(second), "--case", case,
-           "--out", str(out), "--logs", str(tmp / "logs")]
+           "--out", str(out), "--logs", str(tmp / "logs"), "--sglang-versions", mirrors]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-5000:]
@@ -44,7 +44,7 @@ def unchanged(res: dict, servers) -> None:
 
 def test_update_with_requests_in_flight(cards, tmp_path):
     good, _ = cards
-    res = run_case("inflight", good, good, tmp_path)
+    res = run_case("inflight", good, good, tmp_path, mirrors="0.5.20,0.5.23")
     assert res["error"] is None and res["version"] == 1
     assert res["push"]["sync/buckets"] > 5 and res["push"]["sync/bytes"] > 1e6
     rs = res["responses"]
@@ -56,6 +56,16 @@ def test_update_with_requests_in_flight(cards, tmp_path):
         assert v == sorted(v)
     for i in (0, 1):  # the new weights are served
         assert res["after"][str(i)]["version"] == "1" and res["after"][str(i)]["tokens"] != res["before"][i]["tokens"]
+    # one run, two SGLang releases: sessions on the 0.5.23 server only (its stale one closed and reopened)
+    assert res["stale_begin"] == 200
+    assert res["releases"] == [["0.5.20", False], ["0.5.23", True]]
+    assert res["sessions_open"] == []
+    assert res["end_probe"]["0"][0] == 404  # 0.5.20 has no /end_weight_update
+    assert res["end_probe"]["1"][0] == 400 and "no weight-update session is open" in res["end_probe"]["1"][1]["message"]
+    # a trainer that opens no session: the 0.5.23 server refuses the bucket before its broadcast, and the sync
+    # fails with that refusal at once, not after its 20 s timeout (the old wait on the broadcast)
+    assert "must run between begin_weight_update() and end_weight_update()" in res["refused_error"]
+    assert res["refused_version"] == 1 and res["refused_s"] < 10
 
 
 def test_400_mid_bucket_leaves_old_weights_on_every_server(cards, tmp_path):
@@ -64,6 +74,9 @@ def test_400_mid_bucket_leaves_old_weights_on_every_server(cards, tmp_path):
     assert res["error"] and "model.layers.3" in res["error"] and "version 1" in res["error"]
     assert res["version"] == 0
     unchanged(res, (0, 1))  # server 0 took the early buckets and was rolled back
+    assert res["sessions_open"] == []  # the failed sync closed every session it opened
+    for i in ("0", "1"):
+        assert res["end_probe"][i][0] == 400 and "no weight-update session is open" in res["end_probe"][i][1]["message"]
 
 
 def test_server_killed_during_sync(cards, tmp_path):

@@ -25,6 +25,9 @@ from mega_async.inference.server.info import InfoEndpoints
 from mega_async.inference.server.memory import MemoryOccupation, parse_tags
 from mega_async.inference.server.protocol import BadRequest, ValueRejected, clean, error_body, handler_error_body
 from mega_async.inference.server.updates import WeightUpdates
+from mega_async.inference.server.weight_checker import WeightChecker, parse_check
+from mega_async.inference.server.weight_checker import reply_body as checker_reply
+from mega_async.inference.sglang_releases import MIRRORED_DEFAULT, Release
 
 logger = logging.getLogger("mega_async.inference.server")
 
@@ -120,7 +123,8 @@ class EmbeddedServer:
                  weights_root: Optional[str] = None, api_key: Optional[str] = None, max_batch_size: int = 64,
                  seed: int = 0, host: str = "127.0.0.1", port: int = 30000, max_new_tokens_cap: int = 1 << 16,
                  weight_update_timeout_s: float = 300.0, prefix_cache_tokens: int = 1 << 16,
-                 enable_return_routed_experts: bool = False, served_model_name: Optional[str] = None):
+                 enable_return_routed_experts: bool = False, served_model_name: Optional[str] = None,
+                 sglang_version: str = MIRRORED_DEFAULT):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(Path(model_path).resolve())
@@ -149,7 +153,12 @@ class EmbeddedServer:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._lock = RWLock()
-        self.updates = WeightUpdates(self.engine, self._exclusive, self.weights_root, weight_update_timeout_s)
+        self.release = Release.of(sglang_version)  # the SGLang release whose protocol this server mirrors
+        if self.release.sessions is None:
+            raise ValueError(f"sglang_version {sglang_version!r}: give a release such as {MIRRORED_DEFAULT}")
+        self.updates = WeightUpdates(self.engine, self._exclusive, self.weights_root, weight_update_timeout_s,
+                                     self.release)
+        self.checker = WeightChecker(self.engine.model, self.release)
         self.info = InfoEndpoints(self)
         self._ready = False
 
@@ -172,6 +181,10 @@ class EmbeddedServer:
                          ("/update_weights_from_tensor", self.updates.from_tensor),
                          ("/update_weight_version", self.updates.set_version)):
             r.add_post(path, self._replier(fn))
+        if self.release.sessions:  # SGLang 0.5.21+
+            r.add_post("/begin_weight_update", self._replier(self.updates.begin_session))
+            r.add_post("/end_weight_update", self._replier(self.updates.end_session))
+        r.add_route("*", "/weights_checker", self.weights_checker)
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
         self.info.register(r)
@@ -424,6 +437,16 @@ class EmbeddedServer:
 
     async def resume_memory(self, request: web.Request) -> web.Response:
         return await self._memory(request, self.memory.resume)
+
+    async def weights_checker(self, request: web.Request) -> web.Response:
+        """GET|POST /weights_checker {"action": checksum|snapshot|compare|reset_tensors, ...}, as SGLang."""
+        body = await self.json_body(request) if request.can_read_body else None
+        if body is not None and not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        action, skip, _selector = parse_check(body)
+        ok, message, ranks = await asyncio.wrap_future(
+            self.engine.run_command(lambda: self.checker.handle(action, skip)))
+        return web.json_response(checker_reply(ok, message, ranks), status=200 if ok else 400)
 
     # ---- weight updates --------------------------------------------------------------------
     async def _exclusive(self, body: dict, fn: Any) -> Any:

@@ -11,6 +11,7 @@ import torch
 from aiohttp import web
 
 from mega_async.inference.server.app import DTYPES, EmbeddedServer
+from mega_async.inference.sglang_releases import MIRRORED_DEFAULT, TESTED_RANGE, untested_reason
 
 logger = logging.getLogger("mega_async.inference.server")
 
@@ -39,6 +40,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
                    help="token budget of the prefix cache that lets a GRPO group share one prefill (LRU)")
     p.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the model path)")
+    p.add_argument("--sglang-version", default=MIRRORED_DEFAULT,
+                   help=f"the SGLang release whose weight-update protocol to mirror ({TESTED_RANGE}; before 0.5.21: "
+                        "no /begin_weight_update sessions)")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -50,6 +54,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"--model {args.model}: no config.json there; pass an HF-format model directory")
     if args.prefix_cache_tokens < 0:
         raise SystemExit(f"--prefix-cache-tokens {args.prefix_cache_tokens}: must be at least 0 (0 disables it)")
+    if untested_reason(args.sglang_version):
+        raise SystemExit(f"--sglang-version {args.sglang_version}: {untested_reason(args.sglang_version)}; "
+                         f"give one of {TESTED_RANGE}")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     server = EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
@@ -57,7 +64,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                             host=args.host, port=args.port, weight_update_timeout_s=args.weight_update_timeout,
                             prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
                             enable_return_routed_experts=args.enable_return_routed_experts,
-                            served_model_name=args.served_model_name)
+                            served_model_name=args.served_model_name, sglang_version=args.sglang_version)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True,

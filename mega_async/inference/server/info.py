@@ -26,7 +26,9 @@ class InfoEndpoints:
             r.add_get(path, self.server_info)
         for path in ("/health", "/health_generate"):
             r.add_get(path, self.health)
-        r.add_get("/get_weight_version", self.weight_version)
+        if not self.s.release.sessions:  # 0.5.18-0.5.20 answer 404 "deprecated"; 0.5.21 removed the route
+            for path in ("/get_weight_version", "/weight_version"):
+                r.add_get(path, self.weight_version)
 
     def model_path(self) -> str:
         return self.s.updates.loaded_path or self.s.model_path
@@ -60,7 +62,8 @@ class InfoEndpoints:
     async def server_info(self, request: web.Request) -> web.Response:
         eng = self.s.engine
         return web.json_response({
-            **self.server_args(), "version": "mega_async-embedded", "weight_version": eng.weight_version,
+            **self.server_args(), "version": self.s.release.version,
+            "embedded_server": "mega_async", "weight_version": eng.weight_version,
             "num_running_reqs": eng.num_running, "num_waiting_reqs": eng.num_waiting, "paused": eng.paused,
             "memory_released": sorted(eng.released), "resident_weight_bytes": resident_weight_bytes(eng.model),
             "prefix_cache": {"entries": len(eng.prefix_cache), "tokens": eng.prefix_cache.num_tokens,
@@ -73,4 +76,7 @@ class InfoEndpoints:
         return web.Response(status=200 if self.s._ready else 503)
 
     async def weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.s.engine.weight_version})
+        """As SGLang 0.5.18-0.5.20: the weight version is at /model_info."""
+        msg = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+        return web.json_response({"object": "error", "message": msg, "type": "404", "param": None, "code": 404},
+                                 status=404)

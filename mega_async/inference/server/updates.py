@@ -18,6 +18,8 @@ from typing import Any, Awaitable, Callable, Optional
 import torch
 
 from mega_async.inference.dist_group import WeightGroup
+from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, SELECTORS, Release,
+                                                  session_refusal)
 from mega_async.inference.server.engine import GenerationEngine
 from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate, Refused, parse_group_name,
                                                   parse_init_group, parse_update_distributed, result_body, unflatten)
@@ -90,8 +92,10 @@ class WeightUpdates:
     """The weight endpoints' logic; each handler takes the JSON body and returns (status, reply body)."""
 
     def __init__(self, engine: GenerationEngine, exclusive: Callable[[dict, Callable[[], Any]], Awaitable[Any]],
-                 weights_root: Path, default_timeout_s: float = 300.0) -> None:
+                 weights_root: Path, default_timeout_s: float = 300.0, release: Optional[Release] = None) -> None:
         self.engine = engine
+        self.release = release or Release.of("0.5.23")  # the SGLang release whose protocol this server speaks
+        self.session: Optional[str] = None  # the open weight-update session's selector (SGLang 0.5.21+)
         self._exclusive = exclusive  # runs fn on the engine thread (writer lock unless paused)
         self.weights_root = weights_root
         self.default_timeout_s = default_timeout_s
@@ -188,9 +192,42 @@ class WeightUpdates:
 
     async def from_tensor(self, body: dict) -> Reply:
         """POST /update_weights_from_tensor: SGLang's colocated path sends pickled CUDA IPC handles."""
+        problem = self._session_problem("update_weights_from_tensor")
+        if problem is not None:
+            return 400, result_body(False, problem)
         return 400, result_body(False, "update_weights_from_tensor is not supported by the embedded server: it "
                                        "carries pickled CUDA IPC handles; use /update_weights_from_distributed or "
                                        "/update_weights_from_disk")
+
+    # ---- weight-update sessions (SGLang 0.5.21+) -------------------------------------------------
+    def _session_problem(self, op: str) -> Optional[str]:
+        """SGLang 0.5.21+ refuses distributed and tensor updates outside a session, before any collective."""
+        if self.release.sessions and self.session is None:
+            return session_refusal(op)
+        return None
+
+    async def begin_session(self, body: dict) -> Reply:
+        """POST /begin_weight_update {"selector": "target"|"draft"|"all"} (default all), as SGLang 0.5.23."""
+        selector = body.get("selector", "all")
+        if selector not in SELECTORS:
+            raise BadRequest(f"selector: Input should be 'target', 'draft' or 'all', got {selector!r}")
+        async with self._lock:
+            if self.session is not None:
+                return 400, result_body(False, BEGIN_TWICE)
+            await self._exclusive({}, lambda: None)  # as SGLang: outside a pause, after the running requests
+            self.session = selector
+        logger.info("weight-update session opened (selector %s)", selector)
+        return 200, result_body(True, "Success")
+
+    async def end_session(self, body: dict) -> Reply:
+        """POST /end_weight_update {}: closes the session begin opened (nothing to finalize on this server)."""
+        async with self._lock:
+            if self.session is None:
+                return 400, result_body(False, END_WITHOUT_BEGIN)
+            await self._exclusive({}, lambda: None)
+            self.session = None
+        logger.info("weight-update session closed")
+        return 200, result_body(True, "Success")
 
     # ---- /update_weights_from_disk -------------------------------------------------------------
     def _allowed_dir(self, path: Any) -> Path:
@@ -271,14 +308,20 @@ class WeightUpdates:
     async def from_distributed(self, body: dict) -> Reply:
         window = self._window
         what = "Failed to update parameter online"
+        refused: Optional[Refused] = None
         try:
             upd, group = self._precheck(body)
         except Refused as e:
-            return await self._failed(window, what, str(e))
+            refused = e
         except BadRequest as e:  # answered with the validation body; a pause window still rolls back
             if window is not None:
                 await self._failed(window, what, str(e))
             raise
+        problem = self._session_problem("update_weights_from_distributed")
+        if problem is not None:  # refused before any collective; no weight changed, so no rollback either
+            return 400, result_body(False, problem)
+        if refused is not None:
+            return await self._failed(window, what, str(refused))
         problem = self._poisoned(window)  # the layout is known: receive, then refuse
         if problem is None:
             try:

@@ -1,0 +1,80 @@
+"""Which SGLang releases the weight-sync protocol is tested against, and what each one expects. Pure, no I/O.
+
+The trainer's client and the embedded server both read it (the server mirrors one release; the client
+speaks each server's release). What changed between releases, from SGLang's own source:
+
+- 0.5.21: `/update_weights_from_distributed` and `/update_weights_from_tensor` must run inside a
+  weight-update session: `POST /begin_weight_update {"selector": "target"|"draft"|"all"}` opens it (a
+  second begin is refused), `POST /end_weight_update {}` closes it and finalizes the load; an update outside
+  a session answers 400 `{"success": false, "message": "<op> must run between begin_weight_update() and
+  end_weight_update()"}`. Update requests gained `selector` and `torch_empty_cache`. A flush after an update
+  that cannot run (requests still running) now fails the update call instead of asserting in the scheduler.
+  `/get_weight_version` and `/weight_version` (deprecated since 0.5.1x) are gone: use `/model_info`.
+- 0.5.18 .. 0.5.23: `/weights_checker` (`action`: checksum | snapshot | compare | reset_tensors) answers
+  per-rank sha256-based checksums of the served weights (0.5.23 merges draft runners under `draft.` keys and
+  lists `parallelism_info` per role).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+OLDEST_TESTED = (0, 5, 18)
+NEWEST_TESTED = (0, 5, 23)
+SESSIONS_SINCE = (0, 5, 21)  # begin/end_weight_update required around distributed and tensor updates
+MIRRORED_DEFAULT = "0.5.23"  # the release the embedded server mirrors unless told otherwise
+TESTED_RANGE = f"{'.'.join(map(str, OLDEST_TESTED))}..{'.'.join(map(str, NEWEST_TESTED))}"
+SELECTORS = ("target", "draft", "all")
+
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)\.(\d+)")
+
+
+def parse_version(s: Any) -> Optional[tuple[int, int, int]]:
+    """'0.5.23', '0.5.15.post1', 'v0.5.21rc0' -> (0, 5, 21); anything else (None, 'mega_async-embedded') -> None."""
+    if not isinstance(s, str):
+        return None
+    m = _VERSION.match(s.strip())
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None
+
+
+def is_tested(version: tuple[int, int, int]) -> bool:
+    return OLDEST_TESTED <= version <= NEWEST_TESTED
+
+
+def untested_reason(version_string: Any) -> Optional[str]:
+    """None when the release is in the tested range; else why not, in a few words."""
+    v = parse_version(version_string)
+    if v is None:
+        return f"SGLang version {version_string!r} cannot be read"
+    if not is_tested(v):
+        return f"SGLang {version_string} is outside the tested range {TESTED_RANGE}"
+    return None
+
+
+@dataclass(frozen=True)
+class Release:
+    """The weight-sync protocol of one SGLang release (None: not known yet, learned from a 404 later)."""
+
+    version: Optional[str]
+    sessions: Optional[bool]  # needs begin/end_weight_update around distributed and tensor updates
+
+    @staticmethod
+    def of(version_string: Any) -> "Release":
+        v = parse_version(version_string)
+        return Release(version_string if isinstance(version_string, str) else None,
+                       None if v is None else v >= SESSIONS_SINCE)
+
+    @property
+    def has_weight_version_endpoint(self) -> bool:
+        """GET /get_weight_version (and /weight_version): removed in 0.5.21."""
+        return self.sessions is False
+
+
+def session_refusal(op: str) -> str:
+    """SGLang 0.5.21+'s message for a distributed/tensor update outside a session (op: the request's name)."""
+    return f"{op} must run between begin_weight_update() and end_weight_update()"
+
+
+BEGIN_TWICE = "a weight-update session is already open; call end_weight_update() first"
+END_WITHOUT_BEGIN = "no weight-update session is open; call begin_weight_update() first"
