@@ -266,7 +266,11 @@ def test_distributed_update_over_gloo(server, hf_models, weights_root):
     async def main():
         world = await client.init_weights_update_group("127.0.0.1", port, "wu", backend="gloo")
         assert world == 2
+        await client.begin_weight_update()  # the server mirrors SGLang 0.5.23: updates run inside a session
+        assert client.sessions_open == [client.addresses[0]]
         await client.update_weights_from_distributed(names, ["float32"] * len(names), shapes, "wu", version=5)
+        await client.end_weight_update()
+        assert client.sessions_open == []
         await client.destroy_weights_update_group("wu")
         await client.aclose()
 

@@ -1,5 +1,8 @@
 """Weight broadcasts into the embedded server from "another framework's trainer", with real processes.
 
+The shared server mirrors SGLang 0.5.23, so the trainer opens a weight-update session around its buckets
+(/begin_weight_update ... /end_weight_update) as every trainer must since SGLang 0.5.21.
+
 The trainer is a separate script (TRAINER below) that imports nothing of mega_async: it builds the group
 with its own copy of SGLang's `init_custom_process_group`, posts each bucket from a thread and then
 broadcasts it (one broadcast per tensor, or SGLang's flattened uint8 bucket), as slime and AReaL do.
@@ -140,6 +143,10 @@ def main(plan_path, out_path):
                 open(step["ready"], "w").close()
         elif op in ("pause", "continue"):
             results.append(post(addr, f"/{op}_generation", {}, 60))
+        elif op == "begin":  # SGLang 0.5.21+: distributed updates run inside a weight-update session
+            results.append(post(addr, "/begin_weight_update", {"selector": step.get("selector", "all")}, 60))
+        elif op == "end":
+            results.append(post(addr, "/end_weight_update", {}, 60))
         elif op == "update":
             src = load_file(step["src"]) if step.get("src") else {}
             dtypes = step["dtypes"]
@@ -244,14 +251,15 @@ def test_foreign_trainer_plain_and_flattened_buckets(server, hf_models, weights_
     k = len(names) // 3
     buckets = [(names[:k], "float32", {}), (names[k:2 * k], "float32", {"load_format": "flattened_bucket"}),
                (names[2 * k:], "torch.float32", {"load_format": None})]
-    steps = [{"op": "init", "port": free_port(), "group": "foreign"}]  # no backend: gloo on a CPU server
+    steps = [{"op": "init", "port": free_port(), "group": "foreign"}, {"op": "begin"}]  # no backend: gloo on CPU
     steps += [{"op": "update", "group": "foreign", "src": src, "tensors": b, "dtypes": [dt] * len(b),
                "body": {**extra, "weight_version": "7", "flush_cache": True}} for b, dt, extra in buckets]
-    steps += [{"op": "destroy", "group": "foreign"}]
+    steps += [{"op": "end"}, {"op": "destroy", "group": "foreign"}]
     rc, results = run_trainer(tmp_path, addr, steps)
-    assert rc == 0 and len(results) == 5, results
+    assert rc == 0 and len(results) == 7, results
     assert all(r["status"] == 200 and r["body"]["success"] for r in results), results
-    assert results[1]["body"]["message"] == "Succeeded to update parameter online. Weight version updated to 7."
+    assert results[2]["body"]["message"] == "Succeeded to update parameter online. Weight version updated to 7."
+    assert results[1]["body"] == results[5]["body"] == {"success": True, "message": "Success"}
     assert version(addr) == "7"
     ids, _, out = generate(addr, 0.0, 20)
     assert out["meta_info"]["weight_version"] == "7"
@@ -265,11 +273,12 @@ def test_flattened_bucket_with_mixed_dtypes(server, hf_models, weights_root, tmp
     names = tensor_names(src)
     dtypes = [("bfloat16", "float16", "float32")[i % 3] for i in range(len(names))]
     steps = [{"op": "init", "port": free_port(), "group": "mixed", "body": {"backend": "gloo"}},
+             {"op": "begin", "selector": "target"},
              {"op": "update", "group": "mixed", "src": src, "tensors": names, "dtypes": dtypes,
               "body": {"load_format": "flattened_bucket", "weight_version": "mixed"}},
-             {"op": "destroy", "group": "mixed"}]
+             {"op": "end"}, {"op": "destroy", "group": "mixed"}]
     rc, results = run_trainer(tmp_path, addr, steps)
-    assert rc == 0 and [r["status"] for r in results] == [200, 200, 200], results
+    assert rc == 0 and [r["status"] for r in results] == [200] * 5, results
     with safe_open(src, "pt") as f:  # the reference: v1 rounded to what was sent, loaded by transformers
         rounded = {n: f.get_tensor(n).to(getattr(torch, d)).float() for n, d in zip(names, dtypes)}
     ref_dir = tmp_path / "rounded"
@@ -288,7 +297,7 @@ def test_malformed_requests_are_refused_before_any_collective(server, hf_models,
     one = ["model.norm.weight"]
     bad = [({"load_format": "bogus"}, {}), ({}, {"dtypes": ["float33"]}), ({}, {"dtypes": ["float32", "float32"]}),
            ({}, {"shapes": [[-1, 64]]}), ({}, {"shapes": [[1 << 20, 1 << 20]]}), ({"group_name": "nope"}, {})]
-    steps = [{"op": "init", "port": free_port(), "group": "strict", "body": {"timeout": 3}}]
+    steps = [{"op": "init", "port": free_port(), "group": "strict", "body": {"timeout": 3}}, {"op": "begin"}]
     for extra, override in bad:
         raw = {"names": one, "dtypes": ["float32"], "shapes": [[64]], "group_name": "strict", **extra, **override}
         steps.append({"op": "update", "group": "strict", "src": src, "tensors": one, "dtypes": ["float32"],
@@ -296,15 +305,15 @@ def test_malformed_requests_are_refused_before_any_collective(server, hf_models,
     steps += [{"op": "update", "group": "strict", "src": src, "tensors": one, "dtypes": ["float32"]},
               {"op": "update", "group": "strict", "src": src, "tensors": one, "dtypes": ["float32"],
                "broadcast": False, "body": {"weight_version": "stalled"}},
-              {"op": "destroy", "group": "strict"}]
+              {"op": "end"}, {"op": "destroy", "group": "strict"}]
     rc, results = run_trainer(tmp_path, addr, steps)
-    assert rc == 0 and len(results) == len(bad) + 4, results
-    refused = results[1:1 + len(bad)]
+    assert rc == 0 and len(results) == len(bad) + 6, results
+    refused = results[2:2 + len(bad)]
     assert all(r["status"] == 400 and r["body"]["success"] is False and r["seconds"] < 5 for r in refused), refused
     needles = ["load_format", "dtype", "same length", "negative", "exceeds", "no weight update group"]
     assert all(n in r["body"]["message"] for n, r in zip(needles, refused)), refused
-    assert results[-3]["status"] == 200 and results[-1]["status"] == 200, results[-3:]
-    stalled = results[-2]
+    assert results[-4]["status"] == 200 and results[-2]["status"] == 200 and results[-1]["status"] == 200, results
+    stalled = results[-3]
     assert stalled["status"] == 400 and "Timed out" in stalled["body"]["message"] and 2 < stalled["seconds"] < 20
     # group init problems answer 400 and leave no group behind
     st, out = post(addr, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": free_port(),
@@ -321,6 +330,33 @@ def test_malformed_requests_are_refused_before_any_collective(server, hf_models,
     assert version(addr) == "0" and serves(addr, hf_models["v0"])
 
 
+def test_weight_update_sessions_as_sglang_0_5_23(server):
+    """Outside a session SGLang 0.5.21+ refuses distributed and tensor updates before any collective; a
+    second begin and an end without begin are refused; a bad selector is a validation error."""
+    addr = server.addresses[0]
+    upd = {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "none"}
+    st, out = post(addr, "/update_weights_from_distributed", upd)
+    assert (st, out) == (400, {"success": False, "message": "update_weights_from_distributed must run between "
+                                                            "begin_weight_update() and end_weight_update()"})
+    st, out = post(addr, "/update_weights_from_tensor", {"serialized_named_tensors": []})
+    assert st == 400 and out["message"].startswith("update_weights_from_tensor must run between")
+    assert post(addr, "/end_weight_update", {}) == (400, {"success": False, "message": "no weight-update session is "
+                                                          "open; call begin_weight_update() first"})
+    st, out = post(addr, "/begin_weight_update", {"selector": "everything"})
+    assert st == 400 and out["object"] == "error" and "selector" in out["message"]
+    assert post(addr, "/begin_weight_update", {}) == (200, {"success": True, "message": "Success"})
+    try:
+        assert post(addr, "/begin_weight_update", {"selector": "target"}) == (400, {
+            "success": False, "message": "a weight-update session is already open; call end_weight_update() first"})
+        st, out = post(addr, "/update_weights_from_distributed", upd)  # inside: the next check speaks
+        assert st == 400 and "no weight update group 'none'" in out["message"]
+    finally:
+        assert post(addr, "/end_weight_update", {}) == (200, {"success": True, "message": "Success"})
+    info = get(addr, "/server_info")[1]
+    assert info["version"] == "0.5.23" and info["embedded_server"] == "mega_async"
+    assert get(addr, "/get_weight_version")[0] == 404  # gone since 0.5.21 (deprecated 404 before)
+
+
 def test_failed_bucket_in_pause_window_restores_the_old_weights(server, hf_models, weights_root, tmp_path):
     """Bucket 1 of 3 loads, bucket 2 names a weight the model lacks: everything since the pause is undone."""
     addr, src = server.addresses[0], str(weights_root / "v1" / "model.safetensors")
@@ -331,16 +367,16 @@ def test_failed_bucket_in_pause_window_restores_the_old_weights(server, hf_model
     wrong = list(b2)
     wrong[1] = "model.layers.0.mlp.no_such_proj.weight"
     upd = {"op": "update", "group": "window", "src": src, "body": {"weight_version": "1"}}
-    steps = [{"op": "init", "port": free_port(), "group": "window"}, {"op": "pause"},
+    steps = [{"op": "init", "port": free_port(), "group": "window"}, {"op": "pause"}, {"op": "begin"},
              {**upd, "tensors": b1, "dtypes": ["float32"] * len(b1)},
              {**upd, "tensors": b2, "names": wrong, "dtypes": ["bfloat16"] * len(b2),
               "body": {"weight_version": "1", "load_format": "flattened_bucket"}},
              {**upd, "tensors": b3, "dtypes": ["float32"] * len(b3)},
-             {"op": "continue"}, {"op": "destroy", "group": "window"}]
+             {"op": "end"}, {"op": "continue"}, {"op": "destroy", "group": "window"}]
     rc, results = run_trainer(tmp_path, addr, steps)
-    assert rc == 0 and [r["status"] for r in results] == [200, 200, 200, 400, 400, 200, 200], results
-    assert "does not exist" in results[3]["body"]["message"] and "Rolled back" in results[3]["body"]["message"]
-    assert "earlier weight update" in results[4]["body"]["message"]
+    assert rc == 0 and [r["status"] for r in results] == [200, 200, 200, 200, 400, 400, 200, 200, 200], results
+    assert "does not exist" in results[4]["body"]["message"] and "Rolled back" in results[4]["body"]["message"]
+    assert "earlier weight update" in results[5]["body"]["message"]
     assert version(addr) == "0"
     assert generate(addr)[0] == before
     assert serves(addr, hf_models["v0"])
@@ -380,6 +416,7 @@ def test_sender_dies_mid_broadcast(server, hf_models, weights_root, tmp_path):
         while not ready.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert ready.exists(), "the trainer did not join the group"
+        assert post(addr, "/begin_weight_update", {})[0] == 200
         res = {}
         th = threading.Thread(target=lambda: res.update(r=post(addr, "/update_weights_from_distributed", body)))
         th.start()
@@ -396,5 +433,6 @@ def test_sender_dies_mid_broadcast(server, hf_models, weights_root, tmp_path):
     assert version(addr) == "0" and serves(addr, hf_models["v0"])
     st, out = post(addr, "/update_weights_from_distributed", body)  # refused at once: the group is broken
     assert st == 400 and "broken" in out["message"]
+    assert post(addr, "/end_weight_update", {})[0] == 200
     assert post(addr, "/destroy_weights_update_group", {"group_name": "doomed"})[0] == 200
     assert post(addr, "/destroy_weights_update_group", {"group_name": "doomed"})[0] == 400
