@@ -33,7 +33,8 @@ setup(
     install_requires=CORE,
     extras_require={
         # GPU-only packages: imported lazily, never needed on the CPU path.
-        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang", "sglang-router"],
+        # sglang: the releases whose weight-sync protocol is tested (mega_async/inference/sglang_releases.py)
+        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang>=0.5.18,<=0.5.23", "sglang-router"],
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
                  "pyarrow>=14", "py-spy>=0.3.14"],  # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run
         "agent": ["openai>=1.40"],  # agents of AgentWorkflow (mega_async.rollout.agent) use the openai client

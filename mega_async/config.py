@@ -51,6 +51,8 @@ class InferenceConfig:
     max_retries: int = 3  # 5xx answers in a row before a server is dropped (even if its /health answers)
     unhealthy_timeout: float = 30.0  # seconds without any usable server before the run stops
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
+    # launch an installed SGLang outside the tested release range (mega_async.inference.sglang_releases)
+    allow_untested_sglang: bool = False
 
 
 @dataclass
@@ -149,6 +151,10 @@ class TrainerConfig:
     keep_weight_versions: int = 2  # disk mode: newest version directories kept
     verify_sync: bool = False  # after each sync: servers' probe logprobs must equal the trainer's
     verify_sync_tol: float = 1e-4
+    # probe: logprobs of a fixed prompt equal the trainer's (exact on embedded servers) | checksum: every server's
+    # /weights_checker checksum changed with the sync and servers alike agree (real SGLang, bf16) | auto: probe on
+    # embedded servers, checksum on SGLang
+    verify_sync_method: str = "auto"
     eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
 
 
@@ -353,6 +359,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("trainer.sync_timeout", t.sync_timeout)
     _positive("trainer.keep_weight_versions", t.keep_weight_versions)
     _positive("trainer.verify_sync_tol", t.verify_sync_tol)
+    _choice("trainer.verify_sync_method", t.verify_sync_method, ("auto", "probe", "checksum"))
     from mega_async.allocation import AllocationError, parse_allocation  # pure Python, no torch
 
     try:

@@ -50,6 +50,11 @@ def check_inputs(cfg: RunConfig) -> None:
     context, the dataset is there and parses, the reward function loads. Raises ConfigError (one line)."""
     from pathlib import Path
 
+    if cfg.inference.backend == "sglang" and not cfg.inference.addresses:  # we launch them: a tested release
+        from mega_async.inference.launch import untested_sglang
+
+        if problem := untested_sglang(cfg.inference.allow_untested_sglang):
+            raise ConfigError(problem)
     card = Path(cfg.model.path) / "config.json"
     if not card.is_file():
         raise ConfigError(f"model.path={cfg.model.path}: config.json not found; pass an HF-format model directory")
@@ -380,7 +385,8 @@ def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Opti
     t = cfg.trainer
     rollout = RolloutSide(service.engine, executor) if service is not None else None
     kw = dict(timeout=t.sync_timeout, verify=engine.compute_logprobs if t.verify_sync else None,
-              verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group, events=events)
+              verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group, events=events,
+              verify_method=t.verify_sync_method)
     if t.weight_sync == "disk":
         return DiskWeightSync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
                               keep=t.keep_weight_versions, **kw)

@@ -430,17 +430,18 @@ class SGLangClient:
         async def one(s: _Server) -> Release:
             if s.release is None:
                 version: Any = None
+                embedded = False
                 for path in ("/server_info", "/get_server_info"):
                     try:
                         status, out = await self._request("GET", s, path, timeout=timeout)
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                         raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
                     if status == 200 and isinstance(out, dict):
-                        version = out.get("version")
+                        version, embedded = out.get("version"), out.get("embedded_server") is not None
                         break
                     if status != 404:
                         raise ServerError(f"{s.address}{path} answered {status}: {_error_message(out)}")
-                s.release = Release.of(version)
+                s.release = Release.of(version, embedded)
                 why = untested_reason(version)
                 if why and s.release.sessions is not None:
                     logger.warning("server %s: %s; speaking the protocol of its release line", s.address, why)
@@ -464,10 +465,12 @@ class SGLangClient:
                 if status == 200 and not (isinstance(out, dict) and out.get("success") is False):
                     s.session_open = True
                     if s.release is None or s.release.sessions is None:
-                        s.release = Release(s.release.version if s.release else None, True)
+                        s.release = Release(s.release.version if s.release else None, True,
+                                            bool(s.release and s.release.embedded))
                     return
-                if status == 404 and not (s.release and s.release.sessions):
-                    s.release = Release(s.release.version if s.release else None, False)  # before 0.5.21
+                if status == 404 and not (s.release and s.release.sessions):  # a release before 0.5.21
+                    s.release = Release(s.release.version if s.release else None, False,
+                                        bool(s.release and s.release.embedded))
                     return
                 msg = _error_message(out)
                 if attempt == 0 and status == 400 and BEGIN_TWICE.split(";")[0] in msg:
@@ -506,6 +509,10 @@ class SGLangClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
             raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+
+    async def weights_checksums(self, timeout: Optional[float] = None) -> list[dict]:
+        """Every server's `/weights_checker {"action": "checksum"}` reply (SGLang 0.5.18+; raises ServerError)."""
+        return await self._post_all("/weights_checker", {"action": "checksum"}, timeout=timeout)
 
     @property
     def sessions_open(self) -> list[str]:

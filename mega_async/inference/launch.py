@@ -52,6 +52,27 @@ class ServerSpec:
     num_threads: Optional[int] = None  # CPU threads per embedded server; default cores / num_servers
     base_gpu_id: Optional[int] = None  # real SGLang: server i uses GPUs base + i * tp_size ... (after the trainer's)
     extra_args: Sequence[str] = field(default_factory=list)
+    allow_untested_sglang: bool = False  # launch an installed SGLang outside the tested release range
+
+
+def untested_sglang(allow: bool = False) -> Optional[str]:
+    """One line when the installed SGLang is missing or outside the tested range (None: fine, or allowed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from mega_async.inference.sglang_releases import TESTED_RANGE, untested_reason
+
+    try:
+        installed = version("sglang")
+    except PackageNotFoundError:
+        return (f"inference.backend=sglang: SGLang is not installed; pip install -e .[gpu] (SGLang {TESTED_RANGE}) "
+                "or use inference.backend=embedded")
+    why = untested_reason(installed)
+    if why is None or allow:
+        if why:
+            logger.warning("%s; launching it anyway (inference.allow_untested_sglang)", why)
+        return None
+    return (f"inference.backend=sglang: {why}: install a tested release (pip install -e .[gpu]) or set "
+            "inference.allow_untested_sglang=true to launch it anyway")
 
 
 def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
@@ -104,6 +125,8 @@ class ServerLauncher:
     def __init__(self, spec: ServerSpec, log_dir: Optional[str] = None, startup_timeout: float = 300.0):
         if spec.num_servers < 1:
             raise ValueError(f"num_servers={spec.num_servers} must be >= 1")
+        if spec.backend == "sglang" and (problem := untested_sglang(spec.allow_untested_sglang)):
+            raise RuntimeError(problem)
         if not (Path(spec.model_path) / "config.json").exists() and spec.backend == "embedded":
             raise FileNotFoundError(f"model {spec.model_path} has no config.json; pass an HF-format model directory")
         self.spec = spec

@@ -100,6 +100,7 @@ class InferenceService:
             spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=api_key(cfg),
                               tp_size=tp, ep_size=ep,
                               dtype=cfg.model.dtype, seed=cfg.seed, extra_args=_extra_args(cfg),
+                              allow_untested_sglang=inf.allow_untested_sglang,
                               weights_root=str(weights_root) if weights_root else None,
                               base_gpu_id=_first_free_gpu(cfg) if inf.backend == "sglang" else None,
                               num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))

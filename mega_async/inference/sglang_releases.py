@@ -58,12 +58,13 @@ class Release:
 
     version: Optional[str]
     sessions: Optional[bool]  # needs begin/end_weight_update around distributed and tensor updates
+    embedded: bool = False  # mega_async's embedded server mirroring this release (its logprobs are exact)
 
     @staticmethod
-    def of(version_string: Any) -> "Release":
+    def of(version_string: Any, embedded: bool = False) -> "Release":
         v = parse_version(version_string)
         return Release(version_string if isinstance(version_string, str) else None,
-                       None if v is None else v >= SESSIONS_SINCE)
+                       None if v is None else v >= SESSIONS_SINCE, embedded)
 
     @property
     def has_weight_version_endpoint(self) -> bool:

@@ -100,9 +100,12 @@ class RolloutSide:
 class WeightSync:
     """Common part of both modes: the version, the pause bracket, verification. Subclasses `_update`."""
 
+    expects_new_weights = True  # every push sends weights that differ from the last (a training step ran)
+
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
-                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None, events: Any = None):
+                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None, events: Any = None,
+                 verify_method: str = "auto"):
         self.events = events if events is not None else NullEventLog()  # phases on the run's timeline
         self.models = list(models)
         self.group = group  # for the small agreements between ranks (a gloo group with a long timeout)
@@ -111,6 +114,10 @@ class WeightSync:
         self.timeout = timeout
         self._verify_fn = verify
         self.verify_tol = verify_tol
+        if verify_method not in ("auto", "probe", "checksum"):
+            raise ValueError(f"verify_method={verify_method!r}: use auto, probe or checksum")
+        self.verify_method = verify_method
+        self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last verify
         self.temperature = temperature
         self._loop = _Loop()
         self.last: dict[str, float] = {}
@@ -209,7 +216,60 @@ class WeightSync:
 
     # ---- verification ------------------------------------------------------------------------
     def verify(self, prompt_len: int = 6, new_tokens: int = 8) -> float:
-        """Every server's logprobs for a fixed probe equal the trainer's own (`verify_tol`); raises SyncError."""
+        """Check that every server serves this sync's weights; raises SyncError.
+
+        probe: every server's logprobs for a fixed prompt equal the trainer's own (`verify_tol`); returns the
+        largest difference. checksum: every server's `/weights_checker` checksum changed since the last verify
+        and servers of one layout agree (real SGLang in bf16, where logprobs differ from the trainer's); returns
+        0. auto: probe when every server is an embedded one, else checksum."""
+        method = self.verify_method
+        if method == "auto":
+            method = from_rank0(self._auto_method() if self.rollout is not None else None, self.group)
+        if method == "checksum":
+            verdict = from_rank0(self._verify_checksums() if self.rollout is not None else None, self.group)
+            if verdict is not None:
+                raise SyncError(f"verify_sync: {verdict}")
+            return 0.0
+        return self._verify_probe(prompt_len, new_tokens)
+
+    def _auto_method(self) -> str:
+        client = self.rollout.client
+        if not hasattr(client, "learn_releases"):
+            return "probe"
+        try:
+            releases = self._loop.run(client.learn_releases(self.timeout), self.timeout + 10)
+        except Exception:  # noqa: BLE001 - the probe reports an unreachable server itself
+            return "probe"
+        return "probe" if all(r.embedded for r in releases) else "checksum"
+
+    def _verify_checksums(self) -> Optional[str]:
+        """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
+        client = self.rollout.client
+        try:
+            replies = self._loop.run(client.weights_checksums(self.timeout), self.timeout + 10)
+            infos = self._loop.run(client.model_info(), self.timeout + 10)
+        except Exception as e:  # noqa: BLE001
+            return f"/weights_checker failed: {type(e).__name__}: {e}"
+        layouts: dict[str, list[tuple[str, str]]] = {}
+        for address, reply, info in zip(client.addresses, replies, infos):
+            if str(info.get("weight_version")) != str(self.version.value):
+                return (f"server {address} reports weight_version {info.get('weight_version')!r}, "
+                        f"expected {self.version.value}")
+            checksum = reply.get("per_engine_checksum") if isinstance(reply, dict) else None
+            if not isinstance(checksum, str):
+                return f"server {address}'s /weights_checker gave no per_engine_checksum: {reply!r}"[:300]
+            if self.expects_new_weights and self._checksums.get(address) == checksum:
+                return (f"server {address}'s weights did not change with the sync to version {self.version.value} "
+                        f"(checksum {checksum[:16]})")
+            layouts.setdefault(_layout_key(reply), []).append((address, checksum))
+        for same in layouts.values():
+            if len({c for _, c in same}) > 1:
+                return ("servers of one layout serve different weights at version "
+                        f"{self.version.value}: " + ", ".join(f"{a} {c[:16]}" for a, c in same))
+        self._checksums = {a: c for same in layouts.values() for a, c in same}
+        return None
+
+    def _verify_probe(self, prompt_len: int, new_tokens: int) -> float:
         probes: Any = None
         if self.rollout is not None:
             client = self.rollout.client
@@ -312,6 +372,19 @@ def _maybe(obj: Any, method: str) -> None:
         fn()
 
 
+def _layout_key(reply: dict) -> str:
+    """What must match for two servers' checksums to be comparable: each rank's placement (tp/pp/dp sizes and
+    ranks; SGLang 0.5.21+ lists one entry per role, 0.5.18-0.5.20 gives one)."""
+    ranks = reply.get("ranks") or []
+    out = []
+    for r in ranks:
+        pis = r.get("parallelism_info") if isinstance(r, dict) else None
+        for pi in pis if isinstance(pis, list) else [pis]:
+            if isinstance(pi, dict):
+                out.append(tuple(pi.get(k) for k in ("role", "tp_rank", "tp_size", "pp_rank", "pp_size", "dp_size")))
+    return repr(sorted(out, key=repr))
+
+
 def _probe_batch(probes: list) -> dict[str, torch.Tensor]:
     n = len(probes)
     L = max(len(p) + len(o) for p, o, _, _ in probes)
@@ -329,6 +402,8 @@ def _probe_batch(probes: list) -> dict[str, torch.Tensor]:
 class ReloadWeightSync(WeightSync):
     """No trainer: at each version the servers reload one fixed HF directory (the rollout-only driver);
     the latency simulator just takes the new version."""
+
+    expects_new_weights = False
 
     def __init__(self, version: WeightVersion, rollout: RolloutSide, path: str, **kw: Any):
         super().__init__([], version, rollout, **kw)

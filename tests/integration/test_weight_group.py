@@ -436,3 +436,46 @@ def test_sender_dies_mid_broadcast(server, hf_models, weights_root, tmp_path):
     assert post(addr, "/end_weight_update", {})[0] == 200
     assert post(addr, "/destroy_weights_update_group", {"group_name": "doomed"})[0] == 200
     assert post(addr, "/destroy_weights_update_group", {"group_name": "doomed"})[0] == 400
+
+
+def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
+    """/weights_checker hashes each weight as SGLang hashes a CPU tensor; the sync's checksum verify passes
+    after a sync that changed the weights and fails when a server's weights did not change."""
+    import hashlib
+
+    from mega_async.inference.client import SGLangClient
+    from mega_async.trainer.sync import RolloutSide, WeightSync
+    from mega_async.types import WeightVersion
+
+    addr = server.addresses[0]
+    st, out = post(addr, "/weights_checker", {"action": "checksum"})
+    assert st == 200 and out["success"] and set(out) == {"success", "message", "ranks", "per_engine_checksum"}
+    rank = out["ranks"][0]
+    assert rank["parallelism_info"][0]["role"] == "target"  # 0.5.21+: one entry per role
+    ref = {n: hashlib.sha256(p.detach().contiguous().view(-1).view(torch.uint8).numpy()).digest()[:8].hex()
+           for n, p in hf_models["v0"].named_parameters()}
+    assert {n: c for n, c in rank["checksums"].items() if n in ref} == ref
+    assert out["per_engine_checksum"] == hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+    assert post(addr, "/weights_checker", {"action": "compare"})[0] == 400  # no snapshot yet
+    assert post(addr, "/weights_checker", {"action": "snapshot"})[0] == 200
+    assert post(addr, "/weights_checker", {"action": "compare"})[0] == 200
+    assert post(addr, "/weights_checker", {"action": "bogus"})[0] == 400
+
+    version = WeightVersion()
+    sync = WeightSync([], version, RolloutSide(SGLangClient([addr])), timeout=60, verify_method="checksum")
+    try:
+        assert sync._auto_method() == "probe"  # every server is an embedded one: exact logprobs
+        assert sync._verify_checksums() is None  # the first verify records the checksums
+        assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v1"),
+                                                        "weight_version": "1"})[0] == 200
+        version.set(1)
+        assert sync._verify_checksums() is None  # changed with the "sync" to version 1
+        assert post(addr, "/update_weight_version", {"new_version": "2"})[0] == 200
+        version.set(2)
+        assert "did not change with the sync to version 2" in sync._verify_checksums()
+        version.set(3)
+        assert "reports weight_version '2', expected 3" in sync._verify_checksums()
+    finally:
+        sync.close()
+        assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"),
+                                                        "weight_version": "0"})[0] == 200

@@ -1,0 +1,43 @@
+"""Which SGLang release speaks which weight-sync protocol, and the launcher's refusal of an untested one."""
+import pytest
+
+from mega_async.inference import launch
+from mega_async.inference.sglang_releases import Release, parse_version, untested_reason
+
+
+@pytest.mark.parametrize("s, want", [("0.5.23", (0, 5, 23)), ("0.5.15.post1", (0, 5, 15)), ("v0.5.21rc0", (0, 5, 21)),
+                                     ("mega_async-embedded", None), (None, None), (523, None), ("", None)])
+def test_parse_version(s, want):
+    assert parse_version(s) == want
+
+
+def test_sessions_since_0_5_21():
+    assert [Release.of(v).sessions for v in ("0.5.18", "0.5.20", "0.5.21", "0.5.23", "1.0.0")] == \
+        [False, False, True, True, True]
+    assert Release.of("who knows").sessions is None  # learned from the first /begin_weight_update (404: older)
+    assert untested_reason("0.5.20") is None and untested_reason("0.5.23") is None
+    assert "outside the tested range 0.5.18..0.5.23" in untested_reason("0.5.24")
+    assert "cannot be read" in untested_reason(None)
+
+
+def test_launcher_refuses_an_untested_sglang_in_one_line(monkeypatch):
+    import importlib.metadata as md
+
+    def installed(v):
+        def version(name):
+            if v is None:
+                raise md.PackageNotFoundError(name)
+            return v
+        return version
+
+    monkeypatch.setattr(md, "version", installed("0.5.30"))
+    problem = launch.untested_sglang()
+    assert "SGLang 0.5.30 is outside the tested range" in problem and "allow_untested_sglang" in problem
+    assert "\n" not in problem
+    assert launch.untested_sglang(allow=True) is None
+    with pytest.raises(RuntimeError, match="outside the tested range"):
+        launch.ServerLauncher(launch.ServerSpec("sglang", "/nonexistent"))
+    monkeypatch.setattr(md, "version", installed("0.5.21"))
+    assert launch.untested_sglang() is None
+    monkeypatch.setattr(md, "version", installed(None))
+    assert "SGLang is not installed" in launch.untested_sglang()
