@@ -1,13 +1,16 @@
 """Code reward: the completion's last fenced code block runs against the item's reference tests in a sandbox.
 
-sandbox = a fresh scratch directory (removed afterwards) + `python -I` + resource limits set before the
-solution runs (address space, CPU seconds, file size, open files) + no network and its own PID namespace
-(`unshare -n -p --kill-child`, when the kernel lets us; otherwise a warning says the sandbox has network) +
-a wall-clock timeout that kills the process group (and the namespace) + stdout read in bounded chunks.
-Reward = fraction of tests passed (1.0 = all).
-A sandbox that times out, dies on a signal (e.g. the memory limit) or prints more than `max_output_bytes`
-raises `CodeRewardError`, so the RewardRunner rejects the sample; the rollout loop never waits on it
-(everything is asyncio). Not a defence against code that deliberately inspects the harness.
+The sandbox (sandbox.py) runs the solution in fresh mount, PID, network, IPC and UTS namespaces on a new
+root that holds only read-only system and Python directories and private tmpfs /tmp and /dev/shm, with no
+capabilities, `no_new_privs`, its own unprivileged uid (as root; otherwise a user namespace) and resource
+limits (address space, CPU seconds, file size, open files, processes). The tests run in a second process,
+the judge, against proxies of the solution's names: every value a test compares is a plain value decoded
+in the judge (an object of the solution's cannot answer `==` there), and only the judge can write the
+verdict, on a pipe the solution does not hold; the solution's output goes nowhere.
+Reward = passed / total, in [0, 1]; a solution that crashes, exits, hangs or exceeds a limit fails the
+tests it did not pass. `CodeRewardError` (the RewardRunner rejects the sample) only when the sandbox
+itself fails; `SandboxUnavailable` with a one-line reason where this machine cannot build one (never an
+unsandboxed run). Everything is asyncio: the rollout loop never waits on a sandbox.
 """
 from __future__ import annotations
 
@@ -16,61 +19,28 @@ import json
 import logging
 import os
 import re
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
 logger = logging.getLogger("mega_async.reward.code")
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-
-# The harness: limits first, then the solution and each test in one namespace; the result line carries a
-# nonce read from stdin, so a solution that prints or exits early cannot fake a pass.
-_HARNESS = r'''
-import json, os, resource, sys
-def _limit(name, value):
-    try:
-        resource.setrlimit(getattr(resource, name), (value, value))
-    except (ValueError, OSError, AttributeError):
-        pass
-def _main(_w=os.write):
-    cfg = json.loads(sys.stdin.readline())
-    nonce = cfg["nonce"]
-    _limit("RLIMIT_AS", cfg["memory_bytes"])
-    _limit("RLIMIT_CPU", cfg["cpu_seconds"])
-    _limit("RLIMIT_FSIZE", cfg["file_bytes"])
-    _limit("RLIMIT_NOFILE", 64)
-    _limit("RLIMIT_CORE", 0)
-    with open("solution.py") as f:
-        src = f.read()
-    with open("tests.json") as f:
-        tests = json.load(f)
-    ns = {"__name__": "__main__"}
-    passed = 0
-    try:
-        exec(compile(src, "solution.py", "exec"), ns)
-        ok = True
-    except BaseException:
-        ok = False
-    if ok:
-        for i, t in enumerate(tests):
-            try:
-                exec(compile(t, f"test_{i}", "exec"), ns)
-                passed += 1
-            except BaseException:
-                pass
-    _w(1, f"\n{nonce} {passed} {len(tests)}\n".encode())
-_main()
-'''
+_LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox.py")
+_UNAVAILABLE = 3  # sandbox.UNAVAILABLE (sandbox.py runs as a script, so it is not imported here)
+_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing of the trainer's environment
+_GRACE = 3.0  # seconds past `timeout` before the host kills a sandbox that did not report (process start-up)
+_KEEP = 1 << 16  # bytes kept of the launcher's stdout and stderr (the rest is read and dropped)
 
 
 class CodeRewardError(RuntimeError):
-    """The sandbox timed out, was killed, or flooded its output: the sample is rejected."""
+    """The sandbox failed or timed out without a verdict: the sample is rejected."""
+
+
+class SandboxUnavailable(CodeRewardError):
+    """This machine cannot build the sandbox (no namespaces); the message says why and what would fix it."""
 
 
 def extract_code(completion: str, languages: Sequence[str] = ("python", "py", "python3", "")) -> Optional[str]:
@@ -79,34 +49,26 @@ def extract_code(completion: str, languages: Sequence[str] = ("python", "py", "p
     return blocks[-1] if blocks else None
 
 
-@lru_cache(maxsize=1)
-def network_isolation() -> tuple[str, ...]:
-    """The command prefix that runs the sandbox without network and, where the kernel allows, in its own PID
-    namespace that dies with it (`--kill-child`: children that escaped the process group go too). Tried as
-    root (`unshare -n`) and with user namespaces (`-rn`); () with a warning when nothing works here."""
-    exe = shutil.which("unshare")
-    pid_ns = ("-p", "-f", "--kill-child")
-    for prefix in (("-n", *pid_ns), ("-rn", *pid_ns), ("-n",), ("-rn",)):
-        if exe is None:
-            break
-        try:
-            if subprocess.run([exe, *prefix, "true"], capture_output=True, timeout=10, check=False).returncode == 0:
-                return (exe, *prefix)
-        except (OSError, subprocess.TimeoutExpired):
-            pass
-    logger.warning("unshare -n is not available here: the code sandbox runs WITH network access")
-    return ()
+def _tests(tests: Any) -> list[str]:
+    tests = [tests] if isinstance(tests, str) else list(tests) if isinstance(tests, (list, tuple)) else None
+    if not tests or not all(isinstance(t, str) for t in tests):
+        raise ValueError("code reward needs the item's `tests`: a non-empty list of Python test snippets (str)")
+    return tests
 
 
 class CodeReward:
-    """`await CodeReward()(prompt, completion, tests=[...])` -> fraction of tests passed, see the module doc."""
+    """`await CodeReward()(prompt, completion, tests=[...])` -> fraction of tests passed, see the module doc.
+
+    `isolation`: "auto" (as root: namespaces and an unprivileged uid per process; otherwise a user
+    namespace), "uid" or "userns" to insist on one."""
 
     def __init__(self, timeout: float = 5.0, memory_mb: int = 512, cpu_seconds: int = 5,
-                 max_output_bytes: int = 1 << 16, max_concurrent: Optional[int] = None, isolate_network: bool = True):
+                 max_concurrent: Optional[int] = None, isolation: str = "auto"):
+        if isolation not in ("auto", "uid", "userns"):
+            raise ValueError(f"isolation={isolation!r}: use 'auto', 'uid' or 'userns'")
         self.timeout, self.memory_mb, self.cpu_seconds = timeout, memory_mb, cpu_seconds
-        self.max_output_bytes = max_output_bytes
         self.max_concurrent = max_concurrent or max(1, os.cpu_count() or 1)
-        self.isolate_network = isolate_network
+        self.isolation = isolation
         self._sems: dict[int, asyncio.Semaphore] = {}
         self.__name__ = "code_reward"
 
@@ -120,81 +82,99 @@ class CodeReward:
     async def __call__(self, prompt: str, completion: str, tests: Any = None, **_: Any) -> float:
         if tests is None:
             raise ValueError("code reward needs the item's `tests` (a list of Python test snippets)")
-        tests = [tests] if isinstance(tests, str) else list(tests)
+        tests = _tests(tests)
         code = extract_code(completion)
         if code is None:
             return 0.0  # no code block: a wrong answer, not a broken reward
         async with self._sem():
             passed, total = await self.run(code, tests)
-        return passed / max(total, 1)
+        return passed / total
+
+    def job(self, code: str, tests: list[str]) -> bytes:
+        """The launcher's stdin."""
+        return json.dumps({"code": code, "tests": tests, "timeout": self.timeout, "isolation": self.isolation,
+                           "memory_bytes": self.memory_mb << 20, "cpu_seconds": self.cpu_seconds,
+                           "file_bytes": 16 << 20, "tmp_bytes": 64 << 20}).encode()
 
     async def run(self, code: str, tests: list[str]) -> tuple[int, int]:
-        """Run `code` then each test in a sandbox; returns (passed, total)."""
-        scratch = tempfile.mkdtemp(prefix="mega_async_code_")
-        proc = None
+        """Run `code` and then `tests` in a sandbox; returns (passed, total)."""
+        tests = _tests(tests)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", _LAUNCHER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE, start_new_session=True, env=_ENV)
+        task = asyncio.ensure_future(collect(proc, self.job(code, tests), _KEEP))
         try:
-            with open(os.path.join(scratch, "solution.py"), "w") as f:
-                f.write(code)
-            with open(os.path.join(scratch, "tests.json"), "w") as f:
-                json.dump(tests, f)
-            prefix = network_isolation() if self.isolate_network else ()
-            if "--kill-child" in prefix:  # a shell is the namespace's PID 1, so the solution gets normal signals
-                prefix = (*prefix, "/bin/sh", "-c", '"$0" "$@"; exit $?')
-            proc = await asyncio.create_subprocess_exec(
-                *prefix, sys.executable, "-I", "-c", _HARNESS, cwd=scratch, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": scratch, "PYTHONHASHSEED": "0"})
-            nonce = secrets.token_hex(16)
-            cfg = {"nonce": nonce, "memory_bytes": self.memory_mb << 20, "cpu_seconds": self.cpu_seconds,
-                   "file_bytes": 16 << 20}
-            proc.stdin.write((json.dumps(cfg) + "\n").encode())  # type: ignore[union-attr]
-            proc.stdin.close()  # type: ignore[union-attr]
-            try:
-                out = await asyncio.wait_for(self._read(proc), self.timeout)
-                rc = await asyncio.wait_for(proc.wait(), self.timeout)
-            except asyncio.TimeoutError:
-                raise CodeRewardError(f"code sandbox timed out after {self.timeout:.1f}s") from None
-            return self._verdict(out, rc, nonce, len(tests))
+            done, _ = await asyncio.wait({task}, timeout=self.timeout + _GRACE)
+            if not done:
+                raise CodeRewardError(f"code sandbox gave no verdict within {self.timeout + _GRACE:.1f}s")
+            out, err, rc = task.result()
         finally:
-            if proc is not None and proc.returncode is None:
+            if proc.returncode is None:
                 _kill(proc.pid)
-                try:
-                    await asyncio.wait_for(proc.wait(), 5.0)
-                except (asyncio.TimeoutError, ProcessLookupError):
+            if not task.done():
+                await asyncio.wait({task}, timeout=5.0)  # collect reads to EOF, so this ends once it is dead
+                if not task.done():
+                    task.cancel()
                     logger.warning("code sandbox pid %d did not exit after SIGKILL", proc.pid)
-            shutil.rmtree(scratch, ignore_errors=True)
+        return verdict(out, err, rc, len(tests))
 
-    async def _read(self, proc: asyncio.subprocess.Process) -> bytes:
-        buf = bytearray()
-        while True:
-            chunk = await proc.stdout.read(1 << 14)  # type: ignore[union-attr]
-            if not chunk:
-                return bytes(buf)
-            buf += chunk
-            if len(buf) > self.max_output_bytes:
-                raise CodeRewardError(f"code sandbox printed more than {self.max_output_bytes} bytes")
 
-    @staticmethod
-    def _verdict(out: bytes, rc: int, nonce: str, total: int) -> tuple[int, int]:
-        for line in reversed(out.decode(errors="replace").splitlines()):
-            parts = line.split()
-            if len(parts) == 3 and parts[0] == nonce:
-                return int(parts[1]), int(parts[2])
-        if rc < 0 or rc > 128:  # killed (> 128: the status a shell reports for a killed child)
-            sig = -rc if rc < 0 else rc - 128
-            try:
-                name = signal.Signals(sig).name
-            except ValueError:
-                name = f"signal {sig}"
-            raise CodeRewardError(f"code sandbox killed by {name} (memory or CPU limit?)")
-        if rc == 0:  # the solution ended the process (os._exit) before the harness reported: no test passed
-            return 0, total
-        raise CodeRewardError(f"code sandbox exited with status {rc} without a result: {out[-200:]!r}")
+async def collect(proc: asyncio.subprocess.Process, stdin: bytes, keep: int) -> tuple[bytes, bytes, int]:
+    """Feed `stdin`, read stdout and stderr to EOF (keeping the first `keep` bytes of each), then reap.
+    Reading always continues to EOF: asyncio (3.11) reports a process's exit only once its pipes closed,
+    and a stream nobody reads stops at 128 KiB, so a reader that gave up early made wait() hang."""
+    async def drain(stream: asyncio.StreamReader) -> bytes:
+        kept = bytearray()
+        while chunk := await stream.read(1 << 16):
+            kept += chunk[:max(0, keep - len(kept))]
+        return bytes(kept)
+
+    async def feed() -> None:
+        try:
+            proc.stdin.write(stdin)  # type: ignore[union-attr]
+            await proc.stdin.drain()  # type: ignore[union-attr]
+            proc.stdin.close()  # type: ignore[union-attr]
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died before reading: its stderr says why
+
+    out, err, _ = await asyncio.gather(drain(proc.stdout), drain(proc.stderr), feed())  # type: ignore[arg-type]
+    return out, err, await proc.wait()
+
+
+def verdict(out: bytes, err: bytes, rc: int, total: int) -> tuple[int, int]:
+    """(passed, total) from the launcher's one stdout line; anything else is a failed sandbox."""
+    why = err.decode(errors="replace").strip().splitlines()
+    why = why[-1] if why else f"exit status {rc}"
+    if rc == _UNAVAILABLE:
+        raise SandboxUnavailable(why)
+    try:
+        v = json.loads(out)
+        passed, count = v["passed"], v["total"]
+        ok = rc == 0 and type(passed) is int and count == total and 0 <= passed <= total
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CodeRewardError(f"code sandbox gave no verdict ({why}; stdout {out[:200]!r})")
+    if not v.get("complete", True):
+        logger.debug("code sandbox: the tests stopped early (the solution died, hung or hit a limit)")
+    return passed, total
+
+
+@lru_cache(maxsize=1)
+def check_sandbox() -> str:
+    """Run a one-test job in the sandbox (synchronously, once per process); returns "ok" or raises
+    SandboxUnavailable with the machine's reason, so a run that scores code refuses at start-up."""
+    reward = CodeReward(timeout=20.0)
+    proc = subprocess.run([sys.executable, "-I", "-S", _LAUNCHER], input=reward.job("x = 1", ["assert x == 1"]),
+                          capture_output=True, timeout=60, env=_ENV, check=False)
+    if verdict(proc.stdout, proc.stderr, proc.returncode, 1) != (1, 1):
+        raise SandboxUnavailable("code sandbox: a passing test did not pass in the sandbox")
+    return "ok"
 
 
 def _kill(pid: int) -> None:
     try:
-        os.killpg(pid, signal.SIGKILL)  # the whole session: the solution's children too
+        os.killpg(pid, signal.SIGKILL)  # the launcher and the namespace's PID 1 (whose exit ends the rest)
     except (ProcessLookupError, PermissionError):
         pass
 

@@ -1,4 +1,5 @@
-"""Code reward: fenced-block extraction, reference tests in a limited sandbox, rejection without blocking."""
+"""Code reward: fenced-block extraction, reference tests in a limited sandbox, the loop never blocked.
+The attacks on the sandbox and on the score are in test_code_sandbox.py."""
 import asyncio
 import json
 import os
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mega_async.reward import RewardRunner
-from mega_async.reward.code import CodeReward, CodeRewardError, extract_code, network_isolation
+from mega_async.reward.code import CodeReward, extract_code
 
 TASKS = [json.loads(line) for line in (Path(__file__).parents[1] / "assets" / "code_tasks.jsonl").open()]
 
@@ -54,7 +55,7 @@ def test_faked_results_and_early_exits_score_zero():
     assert run(reward("", fenced("import os\nos._exit(0)"), tests=["assert True"])) == 0.0
 
 
-def test_timeout_flood_and_signal_reject_without_blocking_the_loop(tmp_path):
+def test_hangs_floods_and_signals_score_zero_without_blocking_the_loop():
     sandbox = CodeReward(timeout=1.0, cpu_seconds=30)
     runner = RewardRunner(sandbox, timeout=10.0)
     # one child in the process group, one that left it (setsid): neither may outlive the sandbox
@@ -63,7 +64,7 @@ def test_timeout_flood_and_signal_reject_without_blocking_the_loop(tmp_path):
                     "subprocess.Popen(['sleep', '60'])\n"
                     f"subprocess.Popen(['python3', '-c', 'import os, time; os.setsid(); time.sleep(60 + {marker})'])\n"
                     "while True: pass")
-    flood = "import sys\nwhile True: sys.stdout.write('x' * 65536)"
+    flood = "import sys\nwhile True: sys.stderr.write('x' * 65536)"
     suicide = "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)"
 
     async def main():
@@ -82,39 +83,47 @@ def test_timeout_flood_and_signal_reject_without_blocking_the_loop(tmp_path):
         return results[:3], ticks, time.monotonic() - t0
 
     results, ticks, dt = run(main())
-    assert results == [None, None, None] and runner.failures == 3  # all three rejected
+    assert results == [0.0, 0.0, 0.0] and runner.failures == 0  # the solution's failure, not the reward's
     assert ticks >= 20 and dt < 8  # the loop kept running; the timeout held
-    time.sleep(0.3)
     survivors = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
     assert survivors == [], "a child of the solution survived the sandbox"
-    with pytest.raises(CodeRewardError, match="more than"):
-        run(CodeReward(max_output_bytes=1000).run("print('y' * 5000)", []))
+    # what a flood wrote went nowhere: a solution that prints 10 MB and then answers still passes
+    loud = "import sys\nsys.stdout.write('y' * (10 << 20))\nsys.stderr.write('z' * (10 << 20))\nx = 1"
+    assert run(CodeReward()("", fenced(loud), tests=["assert x == 1"])) == 1.0
 
 
-def test_memory_limit_scratch_removed_and_no_network(tmp_path):
+def test_memory_limit_and_a_private_scratch_dir():
     reward = CodeReward(memory_mb=256)
     hog = "x = bytearray(2 << 30)"  # 2 GiB under a 256 MiB address-space limit: MemoryError, test fails
-    assert run(reward("", fenced(hog), tests=["assert len(x) > 0"])) == 0.0
-    where = tmp_path / "cwd.txt"
-    code = f"import os\nopen('scratch.txt', 'w').write('x')\nopen({str(where)!r}, 'w').write(os.getcwd())"
-    assert run(reward("", fenced(code), tests=["assert open('scratch.txt').read() == 'x'"])) == 1.0
-    scratch = where.read_text()
-    assert scratch != os.getcwd() and not os.path.exists(scratch)
-    assert network_isolation(), "unshare -n must work on this machine (the sandbox would have network)"
+    code = "import os\nopen('scratch.txt', 'w').write('x')\nopen('/tmp/other.txt', 'w').write('y')\ncwd = os.getcwd()"
+    tests = ["assert open('scratch.txt').read() == 'x'", "assert open('/tmp/other.txt').read() == 'y'",
+             "import os\nassert cwd == os.getcwd() == '/tmp/scratch'"]
+
+    async def main():
+        return await asyncio.gather(reward("", fenced(hog), tests=["assert len(x) > 0"]),
+                                    reward("", fenced(code), tests=tests))
+
+    assert run(main()) == [0.0, 1.0]  # the tests (another process) see the solution's files
+    assert not os.path.exists("/tmp/other.txt")  # that /tmp was the sandbox's own
+
+
+def test_no_network():
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(1)
     port = srv.getsockname()[1]
+    probe = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+             "    reached = True\nexcept OSError:\n    reached = False")
     try:
-        probe = (f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                 "    reached = True\nexcept OSError:\n    reached = False")
-        assert run(reward("", fenced(probe), tests=["assert not reached"])) == 1.0
-        assert run(CodeReward(isolate_network=False)("", fenced(probe), tests=["assert reached"])) == 1.0
+        assert run(CodeReward()("", fenced(probe), tests=["assert reached is False"])) == 1.0
+        ns = {}
+        exec(probe, ns)
+        assert ns["reached"] is True  # the same probe outside the sandbox does connect
     finally:
         srv.close()
 
 
-def test_missing_tests_is_a_clear_error():
-    with pytest.raises(ValueError, match="tests"):
-        run(CodeReward()("", fenced("x = 1")))
-
+def test_missing_or_malformed_tests_are_a_clear_error():
+    for tests in (None, [], [1, 2], {"a": 1}):
+        with pytest.raises(ValueError, match="tests"):
+            run(CodeReward()("", fenced("x = 1"), tests=tests))

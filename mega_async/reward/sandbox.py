@@ -1,0 +1,321 @@
+"""The code reward's sandbox launcher: `python -I -S sandbox.py` reads a job (JSON) on stdin, runs the
+solution and its tests inside fresh namespaces and writes one verdict line `{"passed", "total", "complete"}`
+to stdout; standard library only (ctypes for the system calls Python lacks).
+
+Layout: this process (host side) unshares mount, PID, network, IPC and UTS namespaces (as root; otherwise
+inside a new user namespace) and forks the namespace's PID 1, which builds a new root on a tmpfs (read-only
+binds of /usr, /etc, /bin, /lib* and the Python installation; a fresh /proc of the new PID namespace; private
+tmpfs /tmp, /dev/shm and a minimal /dev), pivots into it and detaches the host's tree. It then starts two
+processes with no capabilities, `no_new_privs`, resource limits and (as root) their own unprivileged uids:
+the judge, which alone holds the verdict pipe and runs the tests, and the worker, which runs the solution
+(sandbox_harness.py). Nothing of the host's is reachable: no file to write, no process to see, no socket
+(a new network namespace also isolates abstract unix sockets; filesystem sockets are not in the new root).
+PID 1 exiting kills everything in the namespace. Exit status 3 with one line on stderr: no sandbox here.
+"""
+import ctypes
+import json
+import os
+import resource
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+
+UNAVAILABLE = 3  # exit status: this machine cannot build the sandbox (the line on stderr says why)
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC, MS_PRIVATE = 1024, 2048, 4096, 16384, 1 << 18
+MS_RELATIME, MS_STRICTATIME, MNT_DETACH = 1 << 21, 1 << 24, 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "riscv64": 41, "ppc64le": 203, "s390x": 217}
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+DEVICES = ("null", "zero", "full", "random", "urandom")
+SCRATCH = "/tmp/scratch"
+ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
+       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+_libc.syscall.restype = ctypes.c_long
+
+
+class Refused(Exception):
+    """The sandbox cannot be built here; the message names what failed and what would fix it."""
+
+
+def _call(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _enc(s):
+    return None if s is None else os.fsencode(s)
+
+
+def mount(src, dst, fstype, flags: int, data=None) -> None:
+    _call(_libc.mount(_enc(src), _enc(dst), _enc(fstype), flags, _enc(data)), f"mount {dst}")
+
+
+def _prctl(option: int, arg: int) -> int:
+    return _libc.prctl(option, ctypes.c_ulong(arg), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+
+
+# --- namespaces (host side) --------------------------------------------------------------------------------
+
+def unshare(isolation: str) -> str:
+    """Enter new namespaces: 'uid' (as root: the children get their own unprivileged uids) or 'userns'
+    (a new user namespace: no capability outside it). Refused when neither works here."""
+    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+    errors = []
+    if isolation in ("auto", "uid"):
+        if os.geteuid() == 0 and _libc.unshare(flags) == 0:
+            return "uid"
+        errors.append("as root: " + (os.strerror(ctypes.get_errno()) if os.geteuid() == 0 else "not root"))
+    if isolation in ("auto", "userns"):
+        uid, gid = os.geteuid(), os.getegid()
+        if _libc.unshare(flags | CLONE_NEWUSER) == 0:
+            for name, text in (("setgroups", "deny"), ("uid_map", f"65534 {uid} 1"), ("gid_map", f"65534 {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(text)
+            return "userns"
+        errors.append("in a user namespace: " + os.strerror(ctypes.get_errno()))
+    raise Refused(f"cannot create namespaces ({'; '.join(errors)}): run as root or enable unprivileged user "
+                  "namespaces (sysctl kernel.unprivileged_userns_clone=1 user.max_user_namespaces=10000)")
+
+
+# --- the new root (PID 1 of the namespace) -----------------------------------------------------------------
+
+def _readonly_flags(path: str) -> int:
+    """Flags that remount `path` read-only while keeping what a user namespace may not change (atime, noexec)."""
+    f = os.statvfs(path).f_flag
+    flags = MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV
+    flags |= MS_NOEXEC if f & os.ST_NOEXEC else 0
+    if f & os.ST_NOATIME:
+        flags |= MS_NOATIME
+    elif f & os.ST_RELATIME:
+        flags |= MS_RELATIME
+    else:
+        flags |= MS_STRICTATIME
+    return flags | (MS_NODIRATIME if f & os.ST_NODIRATIME else 0)
+
+
+def _mountpoints(mountinfo: str) -> list[str]:
+    # no codec or module may be imported here: between the two pivots the Python installation is not at its path
+    escapes = {"\\040": " ", "\\011": "\t", "\\012": "\n", "\\134": "\\"}
+    out = []
+    with open(mountinfo) as f:
+        for line in f:
+            point = line.split()[4]
+            for k, v in escapes.items():
+                point = point.replace(k, v)
+            out.append(point)
+    return out
+
+
+def _bind_paths(old: str, extra: list[str]) -> list[str]:
+    """System directories plus the Python installation (under the host's root `old`), each once."""
+    paths: list[str] = []
+    for p in (*SYSTEM_DIRS, *extra):
+        if os.path.lexists(old + p) and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in paths):
+            paths.append(p)
+    return paths
+
+
+def build_root(job: dict, worker_uid) -> None:
+    """Make this mount namespace's root a fresh tmpfs holding only what a solution needs; see the module doc."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700")
+    os.makedirs("/tmp/oldroot")
+    os.makedirs("/tmp/newroot")
+    os.chdir("/tmp")
+    _call(_libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"oldroot"), "pivot_root")
+    os.chdir("/")
+    new, old = "/newroot", "/oldroot"
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    readonly = []
+    for path in _bind_paths(old, job["python_dirs"]):
+        src, dst = old + path, new + path
+        if os.path.islink(src) and path in SYSTEM_DIRS:
+            os.symlink(os.readlink(src), dst)
+            continue
+        if os.path.isdir(src):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            open(dst, "w").close()
+        mount(src, dst, None, MS_BIND | MS_REC)
+        readonly.append(dst)
+    os.makedirs(new + "/proc")
+    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for point in _mountpoints(new + "/proc/self/mountinfo"):
+        if any(point == r or point.startswith(r + "/") for r in readonly):
+            mount(None, point, None, _readonly_flags(point))
+    os.makedirs(new + "/tmp")
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmp_bytes']},nr_inodes=4096,mode=1777")
+    os.makedirs(new + SCRATCH)
+    if worker_uid is not None:
+        os.chown(new + SCRATCH, worker_uid, worker_uid)
+    os.makedirs(new + "/dev")
+    mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+    for dev in DEVICES:
+        open(f"{new}/dev/{dev}", "w").close()
+        mount(f"{old}/dev/{dev}", f"{new}/dev/{dev}", None, MS_BIND)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{new}/dev/{name}")
+    os.makedirs(new + "/dev/shm")
+    mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "size=4m,nr_inodes=256,mode=1777")
+    mount(None, new + "/dev", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NOEXEC)
+    os.chdir(new)
+    _call(_libc.syscall(SYS_PIVOT_ROOT[os.uname().machine], b".", b"."), "pivot_root")
+    _call(_libc.umount2(b".", MNT_DETACH), "umount the host's root")  # nothing of the host's stays mounted
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
+# --- the two processes -------------------------------------------------------------------------------------
+
+def _confine(uid, limits: dict):
+    """preexec_fn: no capabilities (bounding set emptied), the given uid, no_new_privs, resource limits."""
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last_cap = int(f.read())
+
+    def pre() -> None:
+        for cap in range(last_cap + 1):
+            _prctl(PR_CAPBSET_DROP, cap)
+        if uid is not None:
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        _call(_prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
+        for name, value in limits.items():
+            resource.setrlimit(getattr(resource, name), (value, value))
+    return pre
+
+
+def _spawn(role: str, job: dict, uid, fds: list[int], stdin: int, limits: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-I", "-c", job["harness"], role, *map(str, fds)]
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=2 if role == "judge" and job.get("debug") else subprocess.DEVNULL,
+                            pass_fds=fds, cwd=SCRATCH, env=ENV, preexec_fn=_confine(uid, limits))
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except BrokenPipeError:
+        pass  # the reader died; the verdict says what it managed
+    finally:
+        os.close(fd)
+
+
+def judge_and_report(job: dict, mode: str) -> dict:
+    """Start the judge and the worker; the solution's code goes to the worker once the judge is undumpable.
+    Returns the last progress line the judge wrote."""
+    start = time.monotonic()
+    judge_uid = worker_uid = None
+    if mode == "uid":
+        judge_uid, worker_uid = (100_000 + secrets.randbelow(1 << 30) for _ in range(2))
+    build_root(job, worker_uid)
+    limits = {"RLIMIT_AS": job["memory_bytes"], "RLIMIT_CPU": job["cpu_seconds"], "RLIMIT_FSIZE": job["file_bytes"],
+              "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0, "RLIMIT_NPROC": 64}
+    verdict_r, verdict_w = os.pipe()
+    req_r, req_w = os.pipe()
+    rep_r, rep_w = os.pipe()
+    tests_r, tests_w = os.pipe()
+    code_r, code_w = os.pipe()
+    _spawn("judge", job, judge_uid, [verdict_w, req_w, rep_r], tests_r, limits)
+    _spawn("worker", job, worker_uid, [req_r, rep_w], code_r, limits)
+    for fd in (verdict_w, req_w, rep_r, tests_r, req_r, rep_w, code_r):
+        os.close(fd)
+    _write_all(tests_w, json.dumps({"tests": job["tests"], "timeout": job["timeout"]}).encode())
+    lines = _Lines(verdict_r, start + job["timeout"] + 0.5)
+    if lines.next() is None:
+        return {"error": "the judge did not start"}
+    # The judge is undumpable now (its first line says so): only then may the solution's code run.
+    _write_all(code_w, job["code"].encode())
+    last = {"passed": 0, "done": 0}
+    while (line := lines.next()) is not None:
+        last = line
+    total = len(job["tests"])
+    return {"passed": last["passed"], "total": total, "complete": last["done"] == total}
+
+
+class _Lines:
+    """Progress lines from the judge, read until EOF or `deadline`; reaps zombies while it waits."""
+
+    def __init__(self, fd: int, deadline: float):
+        self.fd, self.deadline, self.buf = fd, deadline, b""
+
+    def next(self):
+        while b"\n" not in self.buf:
+            left = self.deadline - time.monotonic()
+            if left <= 0 or len(self.buf) > 1 << 16:
+                return None
+            if select.select([self.fd], [], [], min(left, 0.05))[0]:
+                chunk = os.read(self.fd, 1 << 16)
+                if not chunk:
+                    return None
+                self.buf += chunk
+            _reap()
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            out = json.loads(line)
+            return {"passed": int(out["passed"]), "done": int(out["done"])}
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+def _reap() -> None:
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.buffer.read())
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")) as f:
+        job["harness"] = f.read()
+    job["python_dirs"] = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                                               os.path.dirname(os.path.realpath(sys.executable)))})
+    if os.uname().machine not in SYS_PIVOT_ROOT:
+        raise Refused(f"no pivot_root system call number for {os.uname().machine} in mega_async/reward/sandbox.py")
+    mode = unshare(job.get("isolation", "auto"))
+    pid = os.fork()
+    if pid == 0:  # PID 1 of the new namespace: dies with this process, and everything inside dies with it
+        code = 1
+        try:
+            _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            _prctl(PR_SET_DUMPABLE, 0)
+            out = judge_and_report(job, mode)
+            os.write(1, (json.dumps(out) + "\n").encode())
+            code = 0
+        except OSError as e:
+            sys.stderr.write(f"code sandbox: cannot build the sandbox here ({e}){_hint(mode)}\n")
+            code = UNAVAILABLE
+        except BaseException as e:  # noqa: BLE001 - one line to the host, never a traceback into its log
+            sys.stderr.write(f"code sandbox: {type(e).__name__}: {e}\n")
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+
+
+def _hint(mode: str) -> str:
+    return "; a user namespace may not mount here (a container?): run as root" if mode == "userns" else ""
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except Refused as e:
+        sys.stderr.write(f"code sandbox: {e}\n")
+        sys.exit(UNAVAILABLE)
