@@ -1,8 +1,9 @@
 """Continuous-batching generation engine of the embedded server (transformers model, CPU or GPU).
 
 One thread owns the model. Each iteration: run queued commands (weight loads, aborts, pauses) ->
-retire aborted rows -> admit waiting requests (prefix-cache hits join as decode rows, the rest are
-prefilled together, left-padded) -> one decode step for every running row -> retire finished rows.
+retire aborted rows -> admit waiting requests (matched in the radix cache: a hit of all but the last token
+joins as a decode row, the rest are prefilled together from their cached prefix, left-padded) -> one decode
+step for every running row -> retire finished rows (their KV goes into the radix cache).
 Every token is labelled with the weight version of the forward that produced it, on this thread, so
 a label can never disagree with the weights. Pauses live here too (abort, retract, in_place): a
 request added while paused waits in the queue and is admitted only after resume.
@@ -20,7 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from mega_async.inference.server.prefix_cache import PrefixCache
+from mega_async.inference.server.prefix_cache import (KVSource, Lock, Match, RadixCache, plan_round, row_source,
+                                                      stack_prefixes)
 from mega_async.inference.server.routing import RouteRecorder
 from mega_async.inference.server.sampling import process_logits, sample, sample_full, top_logprobs  # noqa: F401
 
@@ -64,14 +66,12 @@ class GenRequest:
     on_finish: Optional[Callable[["GenRequest"], None]] = None
     on_step: Optional[Callable[["GenRequest"], None]] = None
     generator: Optional[torch.Generator] = None
+    radix_lock: Optional[Lock] = None  # the radix-cache path this request's KV came from / went into
 
     @property
     def seq(self) -> list[int]:
         """Everything already known: prompt + output (a retracted request is prefilled from this)."""
         return self.input_ids + self.output_ids
-
-    def cacheable(self) -> bool:
-        return len(self.seq) >= 2 and self.logprob_start_len < 0 and not self.return_routed_experts
 
 
 class EngineRefused(RuntimeError):
@@ -90,7 +90,7 @@ class GenerationEngine:
         self.vocab_size = int(model.config.vocab_size)
         self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(seed)
-        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        self.prefix_cache = RadixCache(prefix_cache_tokens)
         self.routes = RouteRecorder(model) if record_routes else None
         self._lock = threading.Lock()
         self._waiting: collections.deque[GenRequest] = collections.deque()
@@ -153,6 +153,43 @@ class GenerationEngine:
         req.abort_requested = True
         self._wake.set()
 
+    def score(self, reqs: list[GenRequest]) -> concurrent.futures.Future:
+        """SGLang's prefill-only requests (max_new_tokens 0): one forward over the prompts, on the engine thread
+        between two decode steps, for their input logprobs (and routes); nothing is sampled, the output stays
+        empty and each finishes with finish_reason length 0. Resolves when they are finished."""
+        def run() -> None:
+            try:
+                if self.released:
+                    raise EngineRefused(f"memory is released ({', '.join(sorted(self.released))})")
+                self._score(reqs)
+            except Exception as e:  # noqa: BLE001 - answered like a failed engine step: aborted, serving on
+                logger.exception("scoring %d prefill-only requests failed", len(reqs))
+                for r in reqs:
+                    if r.finish_reason is None:
+                        self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
+
+        return self.run_command(run)
+
+    @torch.no_grad()
+    def _score(self, reqs: list[GenRequest]) -> None:
+        lengths = [len(r.input_ids) for r in reqs]
+        L, dev = max(lengths), self.device
+        ids = torch.tensor([[0] * (L - n) + r.input_ids for r, n in zip(reqs, lengths)], device=dev)
+        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=dev)
+        routing = self.routes is not None and any(r.return_routed_experts for r in reqs)
+        if routing:
+            self.routes.start()
+        logits = self.model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+                            use_cache=False).logits
+        routes = self.routes.take(len(reqs), L) if routing else None
+        for i, (r, n) in enumerate(zip(reqs, lengths)):
+            if routes is not None and r.return_routed_experts:
+                r.routes = [routes[i, L - n:]]
+            if r.logprob_start_len >= 0:
+                self._prompt_logprobs(r, logits[i, L - n:].float())
+            r.prefilled = True
+            self._finish(r, {"type": "length", "length": 0})
+
     def pause(self, mode: str) -> concurrent.futures.Future:
         """Pause on the engine thread: abort answers every request; retract drops their KV and requeues them
         (recomputed under the weights current at resume); in_place keeps everything. Resolves when done."""
@@ -169,6 +206,8 @@ class GenerationEngine:
                 return n
             if mode == "retract" and self._running:
                 back = self._running
+                for r in back:
+                    self._release(r, None)  # as SGLang's retract: the KV is dropped, not cached
                 self._running, self._cache = [], None
                 self._mask = self._pos = self._last = None
                 with self._lock:
@@ -230,6 +269,7 @@ class GenerationEngine:
                 for r in self._running:
                     self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
                 self._running, self._cache = [], None
+                self.prefix_cache.reset()  # a step that failed midway may have left it half-updated
         with self._lock:
             left = self._running + list(self._waiting)
         for r in left:
@@ -265,8 +305,9 @@ class GenerationEngine:
             self._finish(r, {"type": "abort", "message": "Abort in waiting queue" if not r.output_ids else "Aborted"})
         keep = [i for i, r in enumerate(self._running) if not r.abort_requested]
         if len(keep) != len(self._running):
-            for r in self._running:
+            for i, r in enumerate(self._running):
                 if r.abort_requested:
+                    self._release(r, row_source(self._cache, self._mask, i))
                     self._finish(r, {"type": "abort", "message": "Aborted"})
             self._select_rows(keep)
 
@@ -276,106 +317,155 @@ class GenerationEngine:
             new = [self._waiting.popleft() for _ in range(min(free, len(self._waiting)))]
         if not new:
             return
-        cache = self.prefix_cache
-        hits, misses, later, seen = [], [], [], set()
-        for r in new:
-            key = tuple(r.seq[:-1])
-            if cache.enabled and r.cacheable() and key in cache._entries:
-                hits.append(r)
-            elif cache.enabled and r.cacheable() and key in seen:
-                later.append(r)  # same prompt as a miss of this round: reuse its prefill below
-            else:
-                misses.append(r)
-                seen.add(key)
-        if misses:
-            self._prefill(misses)
-        joined, refill = [], []
-        for r in hits + later:
-            kv = cache.get(tuple(r.seq[:-1])) if cache.enabled else None
-            (refill.append(r) if kv is None else joined.append((r, kv)))
+        if not self.prefix_cache.enabled:
+            self._start([(r, None) for r in new])
+            return
+        matches = [self._match(r) for r in new]
+        now, later, warm = plan_round([tuple(r.seq) for r in new], [m.length for m in matches],
+                                      [not self._joins(r, m) for r, m in zip(new, matches)])
+        self._start([(new[i], matches[i]) for i in now], warm)
+        if later:  # they match what this round's prefill just inserted
+            self._start([(new[i], self._match(new[i])) for i in later])
+
+    def _match(self, r: GenRequest) -> Match:
+        """SGLang's _compute_max_prefix_len: never the last token, not past logprob_start_len when prompt
+        logprobs are asked (they are computed from there), nothing for routed experts (not cached)."""
+        limit = len(r.seq) - 1
+        if r.logprob_start_len >= 0 and not r.prefilled:
+            limit = min(limit, r.logprob_start_len)
+        if r.return_routed_experts:
+            limit = 0
+        return self.prefix_cache.match_prefix(r.seq[:max(limit, 0)])
+
+    @staticmethod
+    def _joins(r: GenRequest, m: Optional[Match]) -> bool:
+        """All but the last token cached and nothing else to compute: the row joins the batch mid-decode."""
+        prompt_lp = r.logprob_start_len >= 0 and not r.prefilled
+        return m is not None and 0 < m.length == len(r.seq) - 1 and not prompt_lp
+
+    def _start(self, items: list[tuple[GenRequest, Optional[Match]]], warm: list[tuple[int, ...]] = ()) -> None:
+        """Admit requests with their tree matches: lock the matched paths, count cached_tokens (once, at the
+        first admission: a retracted request keeps its number, as SGLang), join full hits, prefill the rest
+        together with the warm-up sequences (whose KV only goes into the tree)."""
+        tree = self.prefix_cache
+        for r, m in items:
+            if m is not None:
+                r.radix_lock = tree.lock(m.node)
+            if not r.prefilled:
+                r.cached_tokens = m.length if m is not None else 0
+                tree.record(len(r.seq), r.cached_tokens)
+        rows = [(r, m) for r, m in items if not self._joins(r, m)]
+        if rows or warm:
+            self._prefill(rows, [(s, tree.match_prefix(s[:-1])) for s in warm])
+        joined = [(r, m) for r, m in items if self._joins(r, m)]
         if joined:
             self._join_cached(joined)
-        if refill:  # evicted meanwhile
-            self._prefill(refill)
 
-    def _join_cached(self, joined: list[tuple[GenRequest, list]]) -> None:
+    def _join_cached(self, joined: list[tuple[GenRequest, Match]]) -> None:
         """Add rows whose KV for seq[:-1] is cached, in one merge: their next forward is the last prompt token."""
+        dev = self.device
+        lengths = [m.length for _, m in joined]
+        L = max(lengths)
+        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=dev)
+        for r, _ in joined:
+            r.prefilled = True
+        self._merge([r for r, _ in joined], self._prefix_kv([m for _, m in joined], L), mask,
+                    torch.tensor(lengths, device=dev), torch.tensor([r.seq[-1] for r, _ in joined], device=dev))
+
+    def _prefix_kv(self, matches: list[Optional[Match]], M: int) -> Any:
+        """A DynamicCache [B, H, M, D] of each row's cached prefix from the tree, left-padded to M."""
         from transformers import DynamicCache
 
-        dev = self.device
-        lengths = [len(r.seq) - 1 for r, _ in joined]
-        L = max(lengths)
         c = DynamicCache(config=self.model.config)
-        for li in range(len(joined[0][1])):
-            k = torch.cat([F.pad(kv[li][0], (0, 0, L - n, 0)) for (_, kv), n in zip(joined, lengths)])
-            v = torch.cat([F.pad(kv[li][1], (0, 0, L - n, 0)) for (_, kv), n in zip(joined, lengths)])
-            c.update(k, v, li)
-        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=dev)
-        for (r, _), n in zip(joined, lengths):
-            r.cached_tokens, r.prefilled = n, True
-        self._merge([r for r, _ in joined], c, mask, torch.tensor(lengths, device=dev),
-                    torch.tensor([r.seq[-1] for r, _ in joined], device=dev))
+        if M:
+            kvs = [self.prefix_cache.gather(m.node) if m is not None else None for m in matches]
+            for li, (k, v) in enumerate(stack_prefixes(kvs, M)):
+                c.update(k, v, li)
+        return c
 
     @torch.no_grad()
-    def _prefill(self, reqs: list[GenRequest]) -> None:
-        """One forward over the new sequences (left-padded), then merge their KV cache into the batch."""
-        from transformers import DynamicCache
-
-        seqs = [r.seq for r in reqs]
-        lengths = [len(s) for s in seqs]
-        L = max(lengths)
-        ids = torch.tensor([[0] * (L - n) + s for s, n in zip(seqs, lengths)], device=self.device)
-        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=self.device)
-        pos = (mask.cumsum(1) - 1).clamp(min=0)
+    def _prefill(self, items: list[tuple[GenRequest, Optional[Match]]],
+                 warm: list[tuple[tuple[int, ...], Match]] = ()) -> None:
+        """One forward over what is not cached: each row is [its cached prefix KV, left-padded to the longest]
+        + [its other tokens, left-padded]; warm-up rows only fill the tree. The KV then goes into the tree
+        (SGLang's checkpoint after prefill) and the request rows join the batch with their first token."""
+        reqs = [r for r, _ in items]
+        seqs = [r.seq for r in reqs] + [list(s) for s, _ in warm]
+        matches = [m for _, m in items] + [m for _, m in warm]
+        pre = [m.length if m is not None else 0 for m in matches]
+        new = [len(s) - p for s, p in zip(seqs, pre)]
+        M, E, dev = max(pre), max(new), self.device
+        ids = torch.tensor([[0] * (E - e) + s[p:] for s, p, e in zip(seqs, pre, new)], device=dev)
+        mask = torch.tensor([[0] * (M - p) + [1] * p + [0] * (E - e) + [1] * e for p, e in zip(pre, new)], device=dev)
+        pos = torch.tensor([[0] * (E - e) + list(range(p, p + e)) for p, e in zip(pre, new)], device=dev)
+        cache = self._prefix_kv(matches, M)
+        want_lp = [r.logprob_start_len >= 0 and not r.prefilled for r in reqs]
         routing = self.routes is not None and any(r.return_routed_experts for r in reqs)
         if routing:
             self.routes.start()
-        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=self.model.config),
-                         use_cache=True)
-        routes = self.routes.take(len(reqs), L) if routing else None
+        out = self.model(ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                         logits_to_keep=0 if any(want_lp) else 1)
+        routes = self.routes.take(len(seqs), E) if routing else None
         for i, r in enumerate(reqs):
             if routes is not None and r.return_routed_experts:
-                r.routes = [routes[i, L - lengths[i]:]]  # a retracted request's routes are recomputed too
-            if r.logprob_start_len >= 0 and not r.prefilled:
-                self._prompt_logprobs(r, out.logits[i, L - lengths[i]:].float())
+                r.routes = [routes[i, E - new[i]:]]  # a retracted request's routes are recomputed too
+            if want_lp[i]:
+                self._prompt_logprobs(r, out.logits[i, E - new[i]:].float(), pre[i])
             r.prefilled = True
-        self._cache_prefixes(reqs, out.cache, lengths, L)
-        toks, lps = self._sample(out.logits[:, -1].float(), reqs)
+        self._checkpoint(reqs, seqs, out.cache, mask)
+        if not reqs:
+            return
+        toks, lps = self._sample(out.logits[:len(reqs), -1].float(), reqs)
         keep = []
         for i, r in enumerate(reqs):
             self._append(r, int(toks[i]), float(lps[i]))
-            if not self._check_finished(r):
+            if self._check_finished(r):
+                self._release(r, None)  # its KV (the prompt) is in the tree already
+            else:
                 keep.append(i)
         if not keep:
             return
-        idx = torch.tensor(keep, device=self.device)
+        idx = torch.tensor(keep, device=dev)
+        mask = mask[idx]
+        trim = int((mask.sum(0) == 0).long().cumprod(0).sum())  # all-padding columns on the left
         for layer in out.cache.layers:
-            layer.keys, layer.values = layer.keys[idx], layer.values[idx]
-        self._merge([reqs[i] for i in keep], out.cache, mask[idx], torch.tensor(lengths, device=self.device)[idx],
-                    toks[idx])
+            layer.keys, layer.values = layer.keys[idx, :, trim:], layer.values[idx, :, trim:]
+        self._merge([reqs[i] for i in keep], out.cache, mask[:, trim:],
+                    torch.tensor([len(seqs[i]) for i in keep], device=dev), toks[idx])
 
-    def _cache_prefixes(self, reqs: list[GenRequest], cache: Any, lengths: list[int], L: int) -> None:
-        if not self.prefix_cache.enabled:
+    def _checkpoint(self, reqs: list[GenRequest], seqs: list[list[int]], cache: Any, mask: torch.Tensor) -> None:
+        """Insert every prefilled row's KV into the tree; a request's lock moves to the path it inserted."""
+        tree = self.prefix_cache
+        if not tree.enabled:
             return
-        for i, r in enumerate(reqs):
-            n = lengths[i]
-            if n >= 2 and r.cacheable():
-                kv = [(layer.keys[i:i + 1, :, L - n:L - 1].clone(), layer.values[i:i + 1, :, L - n:L - 1].clone())
-                      for layer in cache.layers]
-                self.prefix_cache.put(tuple(r.seq[:-1]), kv)
+        for i, s in enumerate(seqs):
+            res = tree.insert(s, row_source(cache, mask, i))
+            if i < len(reqs):
+                old, reqs[i].radix_lock = reqs[i].radix_lock, tree.lock(res.node)
+                tree.unlock(old)
 
-    def _prompt_logprobs(self, r: GenRequest, logits: torch.Tensor) -> None:
-        """input_token_logprobs from logprob_start_len: log p(prompt[j] | prompt[:j]); None for position 0."""
+    def _release(self, r: GenRequest, kv_of: Optional[KVSource]) -> None:
+        """A row leaves the batch: with `kv_of`, its KV (prompt + output minus the last token) goes into the
+        tree unless the tree was reset since that KV was computed (weights changed); then its lock drops."""
+        lock, r.radix_lock = r.radix_lock, None
+        tree = self.prefix_cache
+        if kv_of is not None and tree.is_current(lock) and len(r.seq) > 1:
+            tree.insert(r.seq[:-1], kv_of)
+        tree.unlock(lock)
+
+    def _prompt_logprobs(self, r: GenRequest, logits: torch.Tensor, offset: int = 0) -> None:
+        """input_token_logprobs from logprob_start_len, as SGLang: None there, then log p(prompt[j] | prompt[:j]).
+
+        `logits` are those of positions offset.. (offset <= logprob_start_len: the cached prefix has none)."""
         T = r.temperature if r.temperature >= 1e-6 else 1.0
-        logp = torch.log_softmax(logits[:-1] / T, -1)  # row j predicts prompt[j + 1]
-        ids = torch.tensor(r.input_ids[1:], device=logp.device)
+        n = len(r.input_ids)
+        start = min(r.logprob_start_len, n)
+        logp = torch.log_softmax(logits[start - offset:n - 1 - offset] / T, -1)  # row j predicts prompt[start + j + 1]
+        ids = torch.tensor(r.input_ids[start + 1:], device=logp.device)
         chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist() if len(ids) else []
-        start = min(r.logprob_start_len, len(r.input_ids))
-        vals: list[Optional[float]] = [None] + chosen
-        r.input_logprobs = vals[start:]
+        r.input_logprobs = [None] + chosen
         if r.top_logprobs_num:
-            tops: list = [None] + [top_logprobs(logp[j], r.top_logprobs_num) for j in range(len(chosen))]
-            r.input_top_logprobs = tops[start:]
+            r.input_top_logprobs = [None] + [top_logprobs(logp[j], r.top_logprobs_num) for j in range(len(chosen))]
 
     def _merge(self, reqs: list[GenRequest], cache: Any, mask: torch.Tensor, pos: torch.Tensor,
                last: torch.Tensor) -> None:
@@ -432,6 +522,8 @@ class GenerationEngine:
             self._append(r, int(toks[i]), float(lps[i]))
             if not self._check_finished(r):
                 keep.append(i)
+            else:
+                self._release(r, row_source(self._cache, self._mask, i))
         if len(keep) != B:
             self._select_rows(keep)
 
