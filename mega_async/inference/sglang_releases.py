@@ -10,6 +10,10 @@ speaks each server's release). What changed between releases, from SGLang's own 
   end_weight_update()"}`. Update requests gained `selector` and `torch_empty_cache`. A flush after an update
   that cannot run (requests still running) now fails the update call instead of asserting in the scheduler.
   `/get_weight_version` and `/weight_version` (deprecated since 0.5.1x) are gone: use `/model_info`.
+- 0.5.23: a flattened bucket is allocated from its metadata before the broadcast (`FlattenedTensorBucket.empty`)
+  and refused there, 400 "Failed to receive weights: Unaligned received tensor <name>: byte offset <n>, dtype
+  <dtype>", when a tensor does not start at a multiple of its dtype's size (and for an empty bucket): the trainer
+  orders each flattened bucket by element size, largest first, so every offset is aligned.
 - 0.5.18 .. 0.5.23: `/weights_checker` (`action`: checksum | snapshot | compare | reset_tensors) answers
   per-rank sha256-based checksums of the served weights (0.5.23 merges draft runners under `draft.` keys and
   lists `parallelism_info` per role).
@@ -23,6 +27,7 @@ from typing import Any, Optional
 OLDEST_TESTED = (0, 5, 18)
 NEWEST_TESTED = (0, 5, 23)
 SESSIONS_SINCE = (0, 5, 21)  # begin/end_weight_update required around distributed and tensor updates
+ALIGNED_BUCKETS_SINCE = (0, 5, 23)  # a flattened bucket's tensors must start at multiples of their dtype's size
 MIRRORED_DEFAULT = "0.5.23"  # the release the embedded server mirrors unless told otherwise
 TESTED_RANGE = f"{'.'.join(map(str, OLDEST_TESTED))}..{'.'.join(map(str, NEWEST_TESTED))}"
 SELECTORS = ("target", "draft", "all")
@@ -65,6 +70,13 @@ class Release:
         v = parse_version(version_string)
         return Release(version_string if isinstance(version_string, str) else None,
                        None if v is None else v >= SESSIONS_SINCE, embedded)
+
+    @property
+    def refuses_unaligned_buckets(self) -> bool:
+        """0.5.23's FlattenedTensorBucket.empty refuses, before the broadcast, a tensor whose byte offset is not a
+        multiple of its dtype's size (older releases fail at the view after receiving it)."""
+        v = parse_version(self.version)
+        return v is not None and v >= ALIGNED_BUCKETS_SINCE
 
     @property
     def has_weight_version_endpoint(self) -> bool:

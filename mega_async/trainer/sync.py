@@ -372,6 +372,13 @@ def _maybe(obj: Any, method: str) -> None:
         fn()
 
 
+def aligned_order(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """The order in which to flatten a bucket so that every tensor starts at a multiple of its element size
+    (largest elements first; stable): SGLang 0.5.23 refuses an unaligned flattened bucket before receiving it,
+    older releases fail viewing it after."""
+    return sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+
+
 def _layout_key(reply: dict) -> str:
     """What must match for two servers' checksums to be comparable: each rank's placement (tp/pp/dp sizes and
     ranks; SGLang 0.5.21+ lists one entry per role, 0.5.18-0.5.20 gives one)."""
@@ -651,13 +658,16 @@ class DistributedWeightSync(WeightSync):
         """POST the bucket (HTTP thread), then start its broadcast(s) without waiting."""
         t0 = time.perf_counter()
         dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        order = list(range(len(bucket.names)))
         if self.load_format == "flattened_bucket":
-            payload = [torch.cat([t.reshape(-1).view(torch.uint8) for t in bucket.tensors]).to(dev)]
+            order = aligned_order(bucket.tensors)
+            payload = [torch.cat([bucket.tensors[i].reshape(-1).view(torch.uint8) for i in order]).to(dev)]
         else:
             payload = [t.to(dev) for t in bucket.tensors]
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
         fut = self._loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
-            bucket.names, bucket.dtypes, bucket.shapes, self.group_name, load_format=fmt, timeout=self.timeout))
+            [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order], [bucket.shapes[i] for i in order],
+            self.group_name, load_format=fmt, timeout=self.timeout))
         works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
         stats["bucket_s"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes

@@ -296,7 +296,9 @@ def test_malformed_requests_are_refused_before_any_collective(server, hf_models,
     addr, src = server.addresses[0], str(weights_root / "v0" / "model.safetensors")
     one = ["model.norm.weight"]
     bad = [({"load_format": "bogus"}, {}), ({}, {"dtypes": ["float33"]}), ({}, {"dtypes": ["float32", "float32"]}),
-           ({}, {"shapes": [[-1, 64]]}), ({}, {"shapes": [[1 << 20, 1 << 20]]}), ({"group_name": "nope"}, {})]
+           ({}, {"shapes": [[-1, 64]]}), ({}, {"shapes": [[1 << 20, 1 << 20]]}), ({"group_name": "nope"}, {}),
+           ({"load_format": "flattened_bucket"},  # SGLang 0.5.23: a float32 at byte 6 is refused before receiving
+            {"names": ["a.weight", "b.weight"], "dtypes": ["bfloat16", "float32"], "shapes": [[3], [4]]})]
     steps = [{"op": "init", "port": free_port(), "group": "strict", "body": {"timeout": 3}}, {"op": "begin"}]
     for extra, override in bad:
         raw = {"names": one, "dtypes": ["float32"], "shapes": [[64]], "group_name": "strict", **extra, **override}
@@ -310,7 +312,8 @@ def test_malformed_requests_are_refused_before_any_collective(server, hf_models,
     assert rc == 0 and len(results) == len(bad) + 6, results
     refused = results[2:2 + len(bad)]
     assert all(r["status"] == 400 and r["body"]["success"] is False and r["seconds"] < 5 for r in refused), refused
-    needles = ["load_format", "dtype", "same length", "negative", "exceeds", "no weight update group"]
+    needles = ["load_format", "dtype", "same length", "negative", "exceeds", "no weight update group",
+               "Unaligned received tensor b.weight: byte offset 6, dtype torch.float32"]
     assert all(n in r["body"]["message"] for n, r in zip(needles, refused)), refused
     assert results[-4]["status"] == 200 and results[-2]["status"] == 200 and results[-1]["status"] == 200, results
     stalled = results[-3]

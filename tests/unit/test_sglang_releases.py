@@ -41,3 +41,32 @@ def test_launcher_refuses_an_untested_sglang_in_one_line(monkeypatch):
     assert launch.untested_sglang() is None
     monkeypatch.setattr(md, "version", installed(None))
     assert "SGLang is not installed" in launch.untested_sglang()
+
+
+def test_flattened_buckets_are_ordered_so_every_tensor_is_aligned():
+    """Any mix of dtypes and odd sizes: in aligned_order every tensor's byte offset is a multiple of its element
+    size (what SGLang 0.5.23's FlattenedTensorBucket.empty demands); the given order often is not."""
+    import random
+
+    import torch
+
+    from mega_async.trainer.sync import aligned_order
+
+    rng = random.Random(0)
+    dtypes = [torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float16, torch.int64]
+    unaligned_inputs = 0
+    for _ in range(200):
+        ts = [torch.zeros(rng.randint(1, 7), dtype=rng.choice(dtypes)) for _ in range(rng.randint(1, 6))]
+
+        def aligned(order):
+            offset = 0
+            for i in order:
+                if offset % ts[i].element_size():
+                    return False
+                offset += ts[i].numel() * ts[i].element_size()
+            return True
+
+        order = aligned_order(ts)
+        assert sorted(order) == list(range(len(ts))) and aligned(order)
+        unaligned_inputs += not aligned(range(len(ts)))
+    assert unaligned_inputs > 20  # the property is not vacuous

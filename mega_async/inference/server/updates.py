@@ -21,8 +21,9 @@ from mega_async.inference.dist_group import WeightGroup
 from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, SELECTORS, Release,
                                                   session_refusal)
 from mega_async.inference.server.engine import GenerationEngine
-from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate, Refused, parse_group_name,
-                                                  parse_init_group, parse_update_distributed, result_body, unflatten)
+from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate, Refused, byte_ranges,
+                                                  parse_group_name, parse_init_group, parse_update_distributed,
+                                                  result_body, unflatten, validate_request)
 from mega_async.inference.server.weights import (WeightBackup, WeightLoadError, check_layout, load_named_tensors,
                                           read_safetensors_dir)
 
@@ -77,6 +78,15 @@ def receive(group: WeightGroup, upd: DistributedUpdate, device: torch.device) ->
             raise RuntimeError(f"at tensor {i + 1} of {len(upd.specs)} ({s.name}): {type(e).__name__}: {e}") from e
         out.append((s.name, t))
     return out
+
+
+def unaligned(upd: DistributedUpdate) -> Optional[str]:
+    """SGLang 0.5.23's refusal of a flattened bucket whose tensor starts off its dtype's alignment."""
+    for s, (start, _end) in zip(upd.specs, byte_ranges(upd.specs)):
+        if start % s.dtype.itemsize:
+            return (f"Failed to receive weights: Unaligned received tensor {s.name}: byte offset {start}, "
+                    f"dtype {s.dtype}")
+    return None
 
 
 class PauseWindow:
@@ -310,6 +320,7 @@ class WeightUpdates:
         what = "Failed to update parameter online"
         refused: Optional[Refused] = None
         try:
+            body = validate_request("/update_weights_from_distributed", body)  # SGLang's model, coerced
             upd, group = self._precheck(body)
         except Refused as e:
             refused = e
@@ -318,6 +329,8 @@ class WeightUpdates:
                 await self._failed(window, what, str(e))
             raise
         problem = self._session_problem("update_weights_from_distributed")
+        if problem is None and refused is None and upd.flattened and self.release.refuses_unaligned_buckets:
+            problem = unaligned(upd)
         if problem is not None:  # refused before any collective; no weight changed, so no rollback either
             return 400, result_body(False, problem)
         if refused is not None:
