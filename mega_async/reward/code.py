@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 
 logger = logging.getLogger("mega_async.reward.code")
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_LANG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 _LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox.py")
 _UNAVAILABLE = 3  # sandbox.UNAVAILABLE (sandbox.py runs as a script, so it is not imported here)
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}  # nothing of the trainer's environment
@@ -44,9 +44,20 @@ class SandboxUnavailable(CodeRewardError):
 
 
 def extract_code(completion: str, languages: Sequence[str] = ("python", "py", "python3", "")) -> Optional[str]:
-    """The last fenced code block in a language of `languages` ("" = an unlabelled fence), or None."""
-    blocks = [body for lang, body in _FENCE.findall(completion) if lang.lower() in languages]
-    return blocks[-1] if blocks else None
+    """The last fenced code block in a language of `languages` ("" = an unlabelled fence), or None: an opening
+    ``` and its header line, the body up to the next ```. One pass of str.find, linear in the completion
+    (the regex it replaces backtracked quadratically: 24 KB of backticks took 1.3 s, on the event loop)."""
+    found, pos = None, 0
+    while (start := completion.find("```", pos)) != -1:
+        newline = completion.find("\n", start + 3)
+        end = completion.find("```", newline + 1) if newline != -1 else -1
+        if end == -1:
+            break  # no later opening can close either
+        lang = _LANG.match(completion, start + 3, newline).group(1)  # type: ignore[union-attr]
+        if lang.lower() in languages:
+            found = completion[newline + 1:end]
+        pos = end + 3
+    return found
 
 
 def _tests(tests: Any) -> list[str]:

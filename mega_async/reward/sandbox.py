@@ -66,22 +66,73 @@ def _prctl(option: int, arg: int) -> int:
 
 # --- namespaces (host side) --------------------------------------------------------------------------------
 
-def unshare(isolation: str) -> str:
-    """Enter new namespaces: 'uid' (as root: the children get their own unprivileged uids) or 'userns'
-    (a new user namespace: no capability outside it). Refused when neither works here."""
+class Ids:
+    """Who the judge and the worker run as: `uids` (None: stay as this process is) and whether the
+    user namespace lets them drop supplementary groups."""
+
+    def __init__(self, mode: str, uids=(None, None), setgroups: bool = True):
+        self.mode, (self.judge, self.worker), self.setgroups = mode, uids, setgroups
+
+
+def _fresh_uid() -> int:
+    return 100_000 + secrets.randbelow(1 << 30)  # no such user: nothing on the host belongs to it
+
+
+def _unshare_mapped(flags: int, maps: dict) -> bool:
+    """unshare(flags) with id maps of more than our own id: only a process outside the new user namespace
+    (with CAP_SETUID there) may write those, so a forked helper writes them once we have unshared."""
+    go_r, go_w = os.pipe()
+    done_r, done_w = os.pipe()
+    parent = os.getpid()
+    helper = os.fork()
+    if helper == 0:
+        ok = b"0"
+        try:
+            if os.read(go_r, 1) == b"1":
+                for name, text in maps.items():
+                    with open(f"/proc/{parent}/{name}", "w") as f:
+                        f.write(text)
+                ok = b"1"
+        finally:
+            os.write(done_w, ok)
+            os._exit(0)
+    unshared = _libc.unshare(flags) == 0
+    err = ctypes.get_errno()
+    os.write(go_w, b"1" if unshared else b"0")
+    mapped = os.read(done_r, 1) == b"1"
+    os.waitpid(helper, 0)
+    for fd in (go_r, go_w, done_r, done_w):
+        os.close(fd)
+    if unshared and not mapped:
+        raise Refused("a user namespace was created but its uid map could not be written")
+    ctypes.set_errno(err)
+    return unshared
+
+
+def unshare(isolation: str) -> Ids:
+    """Enter new namespaces: 'uid' (as root: the judge and the worker get fresh unprivileged uids) or 'userns'
+    (a new user namespace: no capability outside it; as root it maps fresh uids for the two processes,
+    never the host's uid 0, which owns files such as /proc/sys/kernel/core_pattern). Refused when neither
+    works here."""
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     errors = []
+    root = os.geteuid() == 0
     if isolation in ("auto", "uid"):
-        if os.geteuid() == 0 and _libc.unshare(flags) == 0:
-            return "uid"
-        errors.append("as root: " + (os.strerror(ctypes.get_errno()) if os.geteuid() == 0 else "not root"))
+        if root and _libc.unshare(flags) == 0:
+            return Ids("uid", (_fresh_uid(), _fresh_uid()))
+        errors.append("as root: " + (os.strerror(ctypes.get_errno()) if root else "not root"))
     if isolation in ("auto", "userns"):
         uid, gid = os.geteuid(), os.getegid()
-        if _libc.unshare(flags | CLONE_NEWUSER) == 0:
+        if root:  # ns root stays the host's root (to build the root); the two processes get fresh ids
+            judge, worker = _fresh_uid(), _fresh_uid()
+            table = f"0 0 1\n65533 {judge} 1\n65534 {worker} 1"
+            if _unshare_mapped(flags | CLONE_NEWUSER, {"uid_map": table, "gid_map": table}):
+                return Ids("userns", (65533, 65534))
+        elif _libc.unshare(flags | CLONE_NEWUSER) == 0:  # one id can be mapped: ours, seen as 65534 inside
             for name, text in (("setgroups", "deny"), ("uid_map", f"65534 {uid} 1"), ("gid_map", f"65534 {gid} 1")):
                 with open(f"/proc/self/{name}", "w") as f:
                     f.write(text)
-            return "userns"
+            return Ids("userns", setgroups=False)
         errors.append("in a user namespace: " + os.strerror(ctypes.get_errno()))
     raise Refused(f"cannot create namespaces ({'; '.join(errors)}): run as root or enable unprivileged user "
                   "namespaces (sysctl kernel.unprivileged_userns_clone=1 user.max_user_namespaces=10000)")
@@ -179,7 +230,7 @@ def build_root(job: dict, worker_uid) -> None:
 
 # --- the two processes -------------------------------------------------------------------------------------
 
-def _confine(uid, limits: dict):
+def _confine(uid, setgroups: bool, limits: dict):
     """preexec_fn: no capabilities (bounding set emptied), the given uid, no_new_privs, resource limits."""
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last_cap = int(f.read())
@@ -187,8 +238,9 @@ def _confine(uid, limits: dict):
     def pre() -> None:
         for cap in range(last_cap + 1):
             _prctl(PR_CAPBSET_DROP, cap)
-        if uid is not None:
+        if setgroups:
             os.setgroups([])
+        if uid is not None:
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         _call(_prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
@@ -197,10 +249,12 @@ def _confine(uid, limits: dict):
     return pre
 
 
-def _spawn(role: str, job: dict, uid, fds: list[int], stdin: int, limits: dict) -> subprocess.Popen:
+def _spawn(role: str, job: dict, ids: Ids, fds: list[int], stdin: int, limits: dict) -> subprocess.Popen:
     cmd = [sys.executable, "-I", "-c", job["harness"], role, *map(str, fds)]
-    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=2 if role == "judge" and job.get("debug") else subprocess.DEVNULL,
-                            pass_fds=fds, cwd=SCRATCH, env=ENV, preexec_fn=_confine(uid, limits))
+    stderr = 2 if role == "judge" and job.get("debug") else subprocess.DEVNULL  # debug: failing tests' tracebacks
+    return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=stderr,
+                            pass_fds=fds, cwd=SCRATCH, env=ENV,
+                            preexec_fn=_confine(getattr(ids, role), ids.setgroups, limits))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -214,14 +268,11 @@ def _write_all(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def judge_and_report(job: dict, mode: str) -> dict:
+def judge_and_report(job: dict, ids: Ids) -> dict:
     """Start the judge and the worker; the solution's code goes to the worker once the judge is undumpable.
     Returns the last progress line the judge wrote."""
     start = time.monotonic()
-    judge_uid = worker_uid = None
-    if mode == "uid":
-        judge_uid, worker_uid = (100_000 + secrets.randbelow(1 << 30) for _ in range(2))
-    build_root(job, worker_uid)
+    build_root(job, ids.worker)
     limits = {"RLIMIT_AS": job["memory_bytes"], "RLIMIT_CPU": job["cpu_seconds"], "RLIMIT_FSIZE": job["file_bytes"],
               "RLIMIT_NOFILE": 64, "RLIMIT_CORE": 0, "RLIMIT_NPROC": 64}
     verdict_r, verdict_w = os.pipe()
@@ -229,11 +280,11 @@ def judge_and_report(job: dict, mode: str) -> dict:
     rep_r, rep_w = os.pipe()
     tests_r, tests_w = os.pipe()
     code_r, code_w = os.pipe()
-    _spawn("judge", job, judge_uid, [verdict_w, req_w, rep_r], tests_r, limits)
-    _spawn("worker", job, worker_uid, [req_r, rep_w], code_r, limits)
+    _spawn("judge", job, ids, [verdict_w, req_w, rep_r], tests_r, limits)
+    _spawn("worker", job, ids, [req_r, rep_w], code_r, limits)
     for fd in (verdict_w, req_w, rep_r, tests_r, req_r, rep_w, code_r):
         os.close(fd)
-    _write_all(tests_w, json.dumps({"tests": job["tests"], "timeout": job["timeout"]}).encode())
+    _write_all(tests_w, json.dumps({k: job.get(k) for k in ("tests", "timeout", "debug")}).encode())
     lines = _Lines(verdict_r, start + job["timeout"] + 0.5)
     if lines.next() is None:
         return {"error": "the judge did not start"}
@@ -287,18 +338,18 @@ def main() -> int:
                                                                os.path.dirname(os.path.realpath(sys.executable)))})
     if os.uname().machine not in SYS_PIVOT_ROOT:
         raise Refused(f"no pivot_root system call number for {os.uname().machine} in mega_async/reward/sandbox.py")
-    mode = unshare(job.get("isolation", "auto"))
+    ids = unshare(job.get("isolation", "auto"))
     pid = os.fork()
     if pid == 0:  # PID 1 of the new namespace: dies with this process, and everything inside dies with it
         code = 1
         try:
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             _prctl(PR_SET_DUMPABLE, 0)
-            out = judge_and_report(job, mode)
+            out = judge_and_report(job, ids)
             os.write(1, (json.dumps(out) + "\n").encode())
             code = 0
         except OSError as e:
-            sys.stderr.write(f"code sandbox: cannot build the sandbox here ({e}){_hint(mode)}\n")
+            sys.stderr.write(f"code sandbox: cannot build the sandbox here ({e}){_hint(ids.mode)}\n")
             code = UNAVAILABLE
         except BaseException as e:  # noqa: BLE001 - one line to the host, never a traceback into its log
             sys.stderr.write(f"code sandbox: {type(e).__name__}: {e}\n")

@@ -236,7 +236,7 @@ class Judge:
             ns[name] = self.value(w)
         return ns
 
-    def run(self, tests: list, report) -> None:
+    def run(self, tests: list, report, debug: bool = False) -> None:
         passed = 0
         report(passed, 0)
         try:
@@ -256,6 +256,9 @@ class Judge:
                 ok = self.gone is None
             except BaseException:  # noqa: BLE001 - a failing or raising test does not pass
                 ok = False
+                if debug:  # the launcher's stderr: which test failed and why
+                    import traceback
+                    traceback.print_exc()
             passed += ok
             report(passed, i + 1)
             if self.gone is not None:
@@ -309,7 +312,8 @@ def judge(verdict: int, requests: int, replies: int) -> None:
     def report(passed: int, done: int) -> None:
         os.write(verdict, (json.dumps({"passed": passed, "done": done}) + "\n").encode())
 
-    Judge(requests, replies, time.monotonic() + float(job["timeout"])).run(list(job["tests"]), report)
+    deadline = time.monotonic() + float(job["timeout"])
+    Judge(requests, replies, deadline).run(list(job["tests"]), report, bool(job.get("debug")))
 
 
 if __name__ == "__main__":

@@ -31,6 +31,15 @@ def test_extract_code_takes_the_last_python_block():
     assert extract_code("no code here") is None
 
 
+@pytest.mark.timeout(60)  # a hang guard 100x over the linear time, not a speed measurement
+def test_extract_code_is_linear_in_the_completion():
+    """The old fence regex backtracked quadratically (24 KB of backticks: 1.3 s, on the event loop; 300 KB:
+    minutes); a completion is untrusted text of any shape."""
+    assert extract_code("```" * 100_000) is None
+    body = "x = 1\n" * 50_000
+    assert extract_code("```python\n" + body + "```" + "```" * 100_000) == body
+
+
 def test_shipped_tasks_reference_solutions_pass_and_wrong_ones_fail():
     reward = CodeReward(timeout=20)
 
