@@ -3,9 +3,10 @@
 worker: runs the solution and answers the judge's requests (call this, read that attribute, ...) with plain
 values (None, bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset) or a handle. It
 never sees the tests and holds no channel out of the sandbox.
-judge: runs the item's tests with the solution's names bound to proxies. Every value a test compares was
-decoded from the worker's reply into a fresh plain object in the judge, so no object of the solution's
-answers `==`, `bool()` or `repr()` there; a handle compares by identity and refuses `bool()`. The judge
+judge: runs the item's tests with the solution's names bound to proxies (never a builtin's or a dunder's
+name; modules are the judge's own imports). Every value a test compares was decoded from the worker's reply
+into a fresh plain object in the judge, so no object of the solution's answers `==`, `bool()` or `repr()`
+there; a handle compares by identity and refuses `bool()`. The worker's replies are data only. The judge
 reports `{"passed": p, "done": i}` after each test on the one descriptor the worker does not hold.
 Standard library only; the launcher (sandbox.py) passes this file's text, so nothing else is imported.
 """
@@ -131,14 +132,21 @@ def worker(requests: int, replies: int) -> None:
     os.dup2(null, 0)
     objects: dict[int, object] = {}
 
+    def ref(x):
+        objects[id(x)] = x
+        return {"r": id(x), "n": type(x).__name__}
+
     def handle(x):
         if type(x).__name__ == "module":
             return {"m": x.__name__}
         try:
             return encode(_plain(x), handle)
         except TypeError:
-            objects[id(x)] = x
-            return {"r": id(x), "n": type(x).__name__}
+            return ref(x)
+
+    def export(x):  # a large plain global stays in the worker (tests index it remotely)
+        w = encode(x, handle)
+        return w if len(json.dumps(w)) <= 1 << 16 else ref(x)
 
     def value(w):
         return decode(w, lambda tag: objects[tag["r"]])
@@ -158,7 +166,7 @@ def worker(requests: int, replies: int) -> None:
     try:
         exec(compile(code, "solution.py", "exec"), ns)
         names = {k: v for k, v in ns.items() if not k.startswith("__")}
-        send(replies, {"names": {k: encode(v, handle) for k, v in names.items()}})
+        send(replies, {"names": {k: export(v) for k, v in names.items()}})
     except BaseException as e:  # noqa: BLE001 - a solution that does not run passes no test
         send(replies, {"error": f"{type(e).__name__}: {str(e)[:300]}"})
         return
@@ -169,6 +177,7 @@ def worker(requests: int, replies: int) -> None:
         "len": lambda o, q: len(o),
         "contains": lambda o, q: value(q["x"]) in o,
         "list": lambda o, q: [v for _, v in zip(range(MAX_ITEMS + 1), o)],
+        "str": lambda o, q: str(o),
     }
     while True:
         try:
@@ -218,19 +227,20 @@ class Judge:
         return encode(x, handle)
 
     def bind(self, names: dict) -> dict:
-        """The test namespace: the solution's names (builtins are never shadowed; modules of the standard
-        library are imported here, so `math.isclose` is the real one)."""
+        """The test namespace: the solution's names, except dunders and builtins (a test's `abs`, `len` or
+        `__builtins__` are never the solution's); a module is imported here by its name, so `math.isclose`
+        or `np.allclose` is the real one (only the installation's modules: the judge's path has no scratch)."""
         import importlib
         ns = {"__name__": "__main__", "__builtins__": builtins}
         for name, w in names.items():
-            if hasattr(builtins, name):
+            if type(name) is not str or not name.isidentifier() or name.startswith("__") or hasattr(builtins, name):
                 continue
             if type(w) is dict and set(w) == {"m"}:
-                mod = str(w["m"])
-                if mod.partition(".")[0] in sys.stdlib_module_names:
+                mod = w["m"]
+                if type(mod) is str and all(part.isidentifier() for part in mod.split(".")):
                     try:
                         ns[name] = importlib.import_module(mod)
-                    except Exception:  # noqa: BLE001 - a module that does not import here stays unbound
+                    except BaseException:  # noqa: BLE001 - a module that does not import here stays unbound
                         pass
                 continue
             ns[name] = self.value(w)
@@ -266,8 +276,8 @@ class Judge:
 
 
 class Remote:
-    """An object that stays in the worker: calls, attributes, items, `len`, `in` and iteration are asked of
-    the worker and answered with plain values; equality is identity and truth is refused."""
+    """An object that stays in the worker: calls, attributes, items, `len`, `in`, `str` and iteration are
+    asked of the worker and answered with plain values; equality is identity and truth is refused."""
     __slots__ = ("_judge", "_ref", "_type")
 
     def __init__(self, judge: Judge, ref: int, type_name: str):
@@ -295,6 +305,9 @@ class Remote:
         if type(items) is not list or len(items) > MAX_ITEMS:
             raise ValueError(f"the solution's iterator gave more than {MAX_ITEMS} items")
         return iter(items)
+
+    def __str__(self) -> str:
+        return self._judge.ask("str", self._ref)  # str() insists on a str: a plain one, made by the worker
 
     def __bool__(self) -> bool:
         raise TypeError(f"the solution returned a {self._type}, not a plain value (bool, int, str, list, ...)")

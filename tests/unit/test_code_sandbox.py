@@ -188,6 +188,9 @@ class EqStr(str):
     __hash__ = str.__hash__
 class EqList(list):
     def __eq__(self, other): return True
+import math
+math.isclose = lambda *a, **k: True  # the worker's math, not the judge's
+def abs(x): return 0.0  # shadows a builtin: the tests keep theirs
 def add(a, b): return Eq()
 def add_int(a, b): return EqInt(0)
 def name(): return EqStr("wrong")
@@ -198,7 +201,8 @@ def honest(a, b): return a + b
     tests = ["assert add(1, 2) == 3", "assert 3 == add(1, 2)", "assert not (add(1, 2) != 3)",
              "assert add_int(1, 2) == 3", "assert name() == 'right'", "assert items() == [1, 2]",
              "assert is_even(3)", "assert abs(add(1, 1) - 3) < 1e-9", "assert add(1, 2) < 0",
-             "assert [1, 2] == list(items())", "assert honest(1, 2) == 3"]
+             "assert [1, 2] == list(items())", "assert math.isclose(honest(1, 2), 4)",
+             "assert abs(honest(1, 2) - 4) < 1e-9", "assert honest(1, 2) == 3"]
     got = score(liars, tests)
     assert got == pytest.approx(1 / len(tests)), explain(liars, tests, "auto")
     # the honest forms of the same answers pass: subclasses and numpy values count as their plain values
@@ -212,6 +216,29 @@ def honest(a, b): return a + b
                              "b = Box(7)\nassert b.get() == 7 and b.v == 7 and len(b) == 4",
                              "try:\n    boom()\nexcept ValueError as e:\n    assert str(e) == 'no'\nelse:\n    assert False",
                              "import math\nassert math.isclose(f() / 2, 1.5)"])
+
+
+def test_a_solution_that_speaks_the_protocol_itself_only_gives_data():
+    """The solution takes over the worker's pipes: it sends its own name table (a `__builtins__` whose `abs`
+    is its function, `abs` itself, a module name) and answers every request with 0. Data cannot change how
+    the judge compares: only the test whose answer really is 0 passes."""
+    hijack = r'''
+import json, os, struct, sys
+requests, replies = int(sys.argv[-2]), int(sys.argv[-1])
+def send(obj):
+    data = json.dumps(obj).encode()
+    os.write(replies, struct.pack(">I", len(data)) + data)
+fn = {"r": 1, "n": "function"}
+send({"names": {"__builtins__": {"d": [["abs", fn], ["len", fn], ["AssertionError", fn]]}, "abs": fn,
+                "__name__": fn, "sub": fn, "zero": fn, "math": {"m": "math"}}})
+while True:
+    size = struct.unpack(">I", os.read(requests, 4))[0]
+    os.read(requests, size)
+    send({"v": 0})
+'''
+    tests = ["assert abs(sub(5, 3) - 3) < 1e-9", "assert len([1, 2]) == 0", "assert sub(5, 3) == 2",
+             "assert math.isclose(sub(5, 3), 2)", "assert zero() == 0"]
+    assert score(hijack, tests) == pytest.approx(1 / len(tests)), explain(hijack, tests, "auto")
 
 
 def test_the_tests_stay_out_of_the_solutions_reach():
