@@ -7,17 +7,19 @@
         rollout.pt        rank 0: dataset position, staleness counters, every rollout waiting, running (tokens,
                           logprobs, versions so far) or finished and not consumed; ledger and metrics sizes
 
-Files read back are untrusted: the distributed checkpoint's pickled `.metadata` goes through an unpickler
-that admits only checkpoint-metadata classes, and every torch file is loaded with `weights_only=True`.
+        manifest.json     size and sha256 of every other file, written last, checked first
+
+Files read back are untrusted (mega_async.safe_load): the distributed checkpoint's pickled `.metadata` goes
+through an unpickler that admits only checkpoint-metadata classes, its object entries and every torch file are
+loaded with `weights_only=True`, NaN/inf weights are refused as they are read. A resume checks the whole
+checkpoint before anything starts (mega_async.checkpoint_check.validate_checkpoint).
 """
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 from pathlib import Path
@@ -25,14 +27,17 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from mega_async.checkpoint_check import (check_model_dir, check_run_dir, read_trainer_json, validate_checkpoint,
+                                         write_manifest)
+from mega_async.safe_load import CheckpointError, dist_load, safe_torch_load
+
+__all__ = ["CheckpointError", "check_dist_checkpoint", "checkpoint_path", "checked_resume_point", "latest_checkpoint",
+           "load_checkpoint", "reset_run_dir", "resume_point", "save_checkpoint"]
+
 logger = logging.getLogger("mega_async.checkpoint")
 
 CKPT_DIR = "checkpoints"
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}  # reloadable at another layout
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used (missing, incomplete, or with content we refuse to load)."""
 
 
 # ---- where ------------------------------------------------------------------------------------------
@@ -55,73 +60,8 @@ def latest_checkpoint(run_dir: str | Path) -> Optional[Path]:
     return found[-1] if found else None
 
 
-# ---- untrusted files ----------------------------------------------------------------------------------
-_ALLOWED_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                    "torch.distributed.checkpoint.planner", "torch.distributed.checkpoint._extension",
-                    "megatron.core.dist_checkpointing.strategies.torch")
-_ALLOWED_GLOBALS = {("collections", "OrderedDict"), ("torch", "Size"), ("torch", "device"), ("builtins", "set"),
-                    ("builtins", "frozenset"), ("builtins", "slice"), ("builtins", "getattr"), ("torch", "dtype"),
-                    ("torch", "layout"), ("torch", "memory_format"), ("torch._utils", "_rebuild_tensor_v2"),
-                    ("torch.storage", "_load_from_bytes"), ("builtins", "bytearray"), ("datetime", "datetime")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and name in _TORCH_ATTRS:  # dtypes, layouts and memory formats
-            return getattr(torch, name)
-        if (module, name) == ("torch.serialization", "_get_layout"):  # layout from its name
-            return super().find_class(module, name)
-        if (module, name) in _ALLOWED_GLOBALS or any(module == m for m in _ALLOWED_MODULES):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or (module, name) in _ALLOWED_GLOBALS:
-                return obj
-        raise pickle.UnpicklingError(f"{module}.{name} is not a checkpoint-metadata class")
-
-
-_TORCH_ATTRS = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool",
-                "strided", "contiguous_format", "preserve_format", "float8_e4m3fn", "float8_e5m2", "complex64"}
-
-
-def _safe_getattr(obj: Any, name: str) -> Any:
-    if obj is torch and name in _TORCH_ATTRS:
-        return getattr(torch, name)
-    raise pickle.UnpicklingError(f"getattr({getattr(obj, '__name__', obj)!r}, {name!r}) is not allowed")
-
-
-def check_dist_checkpoint(path: str | Path) -> None:
-    """Refuse a distributed checkpoint whose pickled parts could run code, before any library unpickles them."""
-    p = Path(path)
-    meta = p / ".metadata"
-    if not meta.is_file():
-        raise CheckpointError(f"{p} is not a Megatron distributed checkpoint (no .metadata)")
-    up = _MetadataUnpickler(io.BytesIO(meta.read_bytes()))
-    up.dispatch_table = {}  # type: ignore[attr-defined]
-    orig = up.find_class
-
-    def find(module: str, name: str) -> Any:
-        if (module, name) == ("builtins", "getattr"):
-            return _safe_getattr
-        return orig(module, name)
-
-    up.find_class = find  # type: ignore[method-assign]
-    try:
-        up.load()
-    except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError, ImportError) as e:
-        raise CheckpointError(f"{meta}: refused to load: {e} (a checkpoint's metadata may hold only checkpoint "
-                              "classes; this file was not written by torch.distributed.checkpoint or was tampered "
-                              "with)") from None
-    for f in [p / "common.pt", *p.glob("*.pt")]:
-        if f.is_file():
-            _safe_torch_load(f)
-
-
-def _safe_torch_load(path: Path) -> Any:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: refused to load: {first[:300]} (only tensors and plain containers are "
-                              "accepted)") from None
+# ---- untrusted files: mega_async.safe_load (readers), mega_async.checkpoint_check (the whole checkpoint) ----
+check_dist_checkpoint = check_model_dir  # the model/ part of a checkpoint, before any library unpickles it
 
 
 # ---- model + optimizer ----------------------------------------------------------------------------------
@@ -193,13 +133,15 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Any, version: int, a
     _barrier()
     dist_checkpointing.save(_train_state_dict(engine, loading=False), str(tmp / "model"))
     torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
+    _barrier()  # every rank's files are written: rank 0 seals them
     if rank == 0:
         if rollout_state is not None:
             torch.save(rollout_state, tmp / "rollout.pt")
         meta = {"step": step, "version": version, "allocation": allocation,
                 "scheduler": engine.scheduler.state_dict(), "world_size": _world(),
                 "optimizers": _n_optimizers(engine), **(extra or {})}
-        _write_json(tmp / "trainer.json", meta)  # last: its presence marks the parts as complete
+        _write_json(tmp / "trainer.json", meta)
+        write_manifest(tmp)  # last: sizes and sha256 of every file, checked first on resume
     _barrier()
     if rank == 0:
         if final.exists():
@@ -214,13 +156,8 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Any, version: int, a
 def load_checkpoint(path: str | Path, engine: Any) -> dict[str, Any]:
     """Load model, optimizer, LR schedule and (same world size) RNG states into `engine` on every rank; returns
     trainer.json's content plus `rollout` (rank 0, when saved)."""
-    from megatron.core import dist_checkpointing
-
     p = Path(path)
-    meta_file = p / "trainer.json"
-    if not meta_file.is_file():
-        raise CheckpointError(f"{p} is not a complete checkpoint (no trainer.json)")
-    meta = json.loads(meta_file.read_text())
+    meta = read_trainer_json(p / "trainer.json")
     check_dist_checkpoint(p / "model")
     if meta.get("optimizers", 1) != _n_optimizers(engine):
         raise CheckpointError(f"{p} was written at {meta.get('allocation')}, whose optimizer has "
@@ -228,7 +165,7 @@ def load_checkpoint(path: str | Path, engine: Any) -> dict[str, Any]:
                               "resume with expert parallelism on (e > 1) or off on both sides")
     # the config's schedule wins (e.g. a larger trainer.total_steps); the step count comes from the checkpoint
     engine.scheduler.override_opt_param_scheduler, engine.scheduler.use_checkpoint_opt_param_scheduler = True, False
-    state = dist_checkpointing.load(_train_state_dict(engine, loading=True), str(p / "model"))
+    state = dist_load(_train_state_dict(engine, loading=True), p / "model")  # NaN/inf refused as read
     for key, m in zip(sorted(k for k in state if k.startswith("model")), engine.models):
         res = m.load_state_dict(state[key], strict=False)  # Transformer Engine's _extra_state may be absent
         missing = [k for k in res.missing_keys if not k.endswith("_extra_state")]
@@ -238,13 +175,13 @@ def load_checkpoint(path: str | Path, engine: Any) -> dict[str, Any]:
         engine.optimizer.load_state_dict(state["optimizer"])
     engine.scheduler.load_state_dict(meta["scheduler"])
     rng = p / "rng" / f"rank{_rank()}.pt"
-    if meta.get("world_size") == _world() and rng.is_file():
-        _set_rng_state(_safe_torch_load(rng))
+    if meta["world_size"] == _world():
+        _set_rng_state(safe_torch_load(rng))  # missing: refused (a same-size resume restores every rank's RNG)
     else:
-        logger.info("checkpoint written at %s ranks, resuming at %s: RNG states start fresh", meta.get("world_size"),
+        logger.info("checkpoint written at %s ranks, resuming at %s: RNG states start fresh", meta["world_size"],
                     _world())
     if _rank() == 0 and (p / "rollout.pt").is_file():
-        meta["rollout"] = _safe_torch_load(p / "rollout.pt")
+        meta["rollout"] = safe_torch_load(p / "rollout.pt")
     return meta
 
 
@@ -325,6 +262,7 @@ def resume_point(run_dir: str | Path, mode: str) -> Optional[Path]:
     """The checkpoint to continue from under `trainer.resume=mode`, or None for a fresh start. Raises
     CheckpointError (one line) when starting would mix two runs or `require` finds no checkpoint."""
     d = Path(run_dir)
+    check_run_dir(d)  # no link out of it is followed, truncated or deleted
     latest = latest_checkpoint(d)
     used = [f for f in RUN_FILES if (d / f).exists()]
     if mode == "never" and used:
@@ -336,6 +274,15 @@ def resume_point(run_dir: str | Path, mode: str) -> Optional[Path]:
     return latest
 
 
+def checked_resume_point(cfg: Any, world: int) -> Optional[Path]:
+    """`resume_point` for `cfg`, and the checkpoint checked as a whole for a resume at `world` trainer ranks
+    (before any server or rank starts work). Raises CheckpointError (one line)."""
+    found = resume_point(cfg.run_dir, cfg.trainer.resume)
+    if found is not None:
+        validate_checkpoint(found, cfg, world)
+    return found
+
+
 def reset_run_dir(run_dir: str | Path, checkpoint: Optional[Path]) -> None:
     """Before a (re)start on rank 0: cut metrics, ledger and event timeline back to what the checkpoint saw
     (everything after it is redone), drop weight versions newer than it and unfinished checkpoint writes."""
@@ -345,7 +292,10 @@ def reset_run_dir(run_dir: str | Path, checkpoint: Optional[Path]) -> None:
     sizes = {"metrics.jsonl": 0, "rollouts.jsonl": 0, "events.jsonl": 0}
     version = 0
     if checkpoint is not None:
-        meta = json.loads((checkpoint / "trainer.json").read_text())
+        meta = json.loads((checkpoint / "trainer.json").read_text())  # checked by checked_resume_point
+        if not all(isinstance(meta.get(k, 0), int) and meta.get(k, 0) >= 0
+                   for k in ("metrics_bytes", "ledger_bytes", "events_bytes", "version")):
+            raise CheckpointError(f"{checkpoint / 'trainer.json'}: sizes and version must be integers >= 0")
         sizes = {"metrics.jsonl": meta["metrics_bytes"], "rollouts.jsonl": meta["ledger_bytes"]}
         if "events_bytes" in meta:  # checkpoints written before the timeline was recorded keep it whole
             sizes["events.jsonl"] = meta["events_bytes"]

@@ -63,10 +63,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         from mega_async.allocation import validate_for_model
 
         validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
-    from mega_async.checkpoint import resume_point
+    from mega_async.checkpoint import CheckpointError, checked_resume_point, resume_point
     from mega_async.loop import check_inputs
 
-    resume_point(cfg.run_dir, cfg.trainer.resume)  # refuses to mix two runs before anything is written
+    checked = not spmd.under_launcher()  # under torchrun/srun every rank runs this: rank 0 checks in run_training
+    if checked:  # the checkpoint checked whole before any rank or server starts (refuses to mix two runs)
+        checked_resume_point(cfg, world)
+    else:  # no mix of two runs, no link out of the run directory, before anything is written
+        resume_point(cfg.run_dir, cfg.trainer.resume)
     check_inputs(cfg)  # model card, context budget, dataset and reward before any rank or server starts
     from mega_async.console import setup_logging
 
@@ -79,13 +83,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     spmd.stop_on_sigterm()
     try:
-        history = run_training(cfg, stop_requested=spmd.PreemptFlag())
+        history = run_training(cfg, stop_requested=spmd.PreemptFlag(), resume_checked=checked)
     except Preempted as e:  # a clean stop with a checkpoint: exit 0 so a requeued job resumes
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"mega-async train: {e}", flush=True)
         return 0
     except BaseException as e:
-        if isinstance(e, (ConfigError, AllocationError, FileNotFoundError)) and world == 1:
+        if isinstance(e, (ConfigError, AllocationError, FileNotFoundError, CheckpointError)) and world == 1:
             raise  # bad input: main() prints it in one line
         logging.getLogger("mega_async.cli").exception("trainer rank failed")
         if world > 1:  # leave at once: a collective teardown could wait on a dead rank
@@ -175,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except (ConfigError, AllocationError, FileNotFoundError, CheckpointError) as e:  # bad input: one line
-        print(f"mega-async {args.command}: {e}", file=sys.stderr)
+        kind = "CheckpointError: " if isinstance(e, CheckpointError) else ""
+        print(f"mega-async {args.command}: {kind}{e}", file=sys.stderr)
         return 2
 
 

@@ -142,6 +142,9 @@ class TrainerConfig:
     # complete checkpoint if there is one, else start fresh | require: continue, refused without a checkpoint
     # (`mega-async train --resume`)
     resume: str = "never"
+    # fields that may differ from the checkpoint's run on a resume (each logged), from RESUME_OVERRIDES; any other
+    # difference (model, group size, seed) or one not named here is refused
+    resume_override: list[str] = field(default_factory=list)
     weight_sync: str = "distributed"  # distributed (torch.distributed broadcast) | disk (HF dirs the servers load)
     sync_bucket_bytes: int = 512 << 20  # byte budget of one weight bucket (a layer's experts never split)
     sync_load_format: str = "flattened_bucket"  # flattened_bucket (one buffer per bucket) | tensor (one per tensor)
@@ -166,6 +169,7 @@ class LoggingConfig:
 
 
 REWARDS = ("synthetic", "gsm8k", "code")
+RESUME_OVERRIDES = ("rollout.consumer_batch_size", "data.synthetic_target")  # trainer.resume_override's choices
 
 
 def api_key(cfg: "RunConfig") -> Optional[str]:
@@ -351,6 +355,8 @@ def validate(cfg: RunConfig) -> None:
     _positive("trainer.save_interval", t.save_interval, allow_zero=True)
     _positive("trainer.keep_checkpoints", t.keep_checkpoints)
     _choice("trainer.resume", str(t.resume), ("never", "auto", "require"))
+    for key in t.resume_override:
+        _choice("trainer.resume_override", key, RESUME_OVERRIDES)
     _choice("trainer.weight_sync", t.weight_sync, ("distributed", "disk"))
     _positive("trainer.sync_bucket_bytes", t.sync_bucket_bytes)
     _choice("trainer.sync_load_format", t.sync_load_format, ("flattened_bucket", "tensor"))

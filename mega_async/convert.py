@@ -85,21 +85,26 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
 
 
 def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) -> dict[str, Any]:
-    from megatron.core import dist_checkpointing
-
+    """The checkpoint is untrusted: no link or special file in it, its pickled parts read with checkpoint
+    classes only, its objects and torch files tensors-only, NaN/inf weights refused (mega_async.safe_load)."""
     from mega_async.bridge import save_hf_checkpoint
+    from mega_async.checkpoint_check import check_run_dir, read_json
+    from mega_async.safe_load import dist_load
     from mega_async.trainer.model import build_model
 
     src = Path(mcore_dir)
     meta_path = src / META
     if not meta_path.exists():
         raise ConvertError(f"{src} is not a checkpoint written by hf-to-mcore (no {META})")
-    meta = json.loads(meta_path.read_text())
+    check_run_dir(src)  # the hf/ files are copied into the output: none may point elsewhere
+    meta = read_json(meta_path, "conversion record", "convert again with hf-to-mcore")
+    if not isinstance(meta, dict):
+        raise ConvertError(f"{meta_path}: not a conversion record (an object)")
     allocation = allocation or "megatron:d1"
     check_dist_checkpoint(src)  # its pickled parts could run code: refuse anything but checkpoint classes
     t0 = time.monotonic()
     models = build_model(src / HF_SUBDIR, allocation)
-    state = dist_checkpointing.load(model_sharded_state_dict(models), str(src))
+    state = dist_load(model_sharded_state_dict(models), src)
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for k, m in zip(keys, models):
         m.load_state_dict(state[k], strict=False)

@@ -234,13 +234,15 @@ class RolloutOwner:
                     state["loader"]["position"])
 
 
-def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = None) -> list[dict[str, float]]:
+def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = None,
+                 resume_checked: bool = False) -> list[dict[str, float]]:
     """The RL loop on this trainer rank (all ranks run it; rank 0 returns the per-step history). Continues from
-    a checkpoint per `trainer.resume`; `stop_requested()` true on any rank: checkpoint, then raise Preempted."""
+    a checkpoint per `trainer.resume` (checked whole first, unless the caller did: `resume_checked`);
+    `stop_requested()` true on any rank: checkpoint, then raise Preempted."""
     import torch.distributed as dist
 
     from mega_async.allocation import parse_allocation
-    from mega_async.checkpoint import load_checkpoint, reset_run_dir, resume_point
+    from mega_async.checkpoint import checked_resume_point, load_checkpoint, reset_run_dir, resume_point
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
     from mega_async.trainer.parallel import control_group, destroy_parallel_state, init_distributed
     from mega_async.trainer.sync import from_rank0
@@ -253,7 +255,8 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
     resume = None
     if rank0:
         _weights_ready(cfg)  # a bad model.path fails here, before the run directory is written
-        resume = resume_point(cfg.run_dir, cfg.trainer.resume)
+        resume = resume_point(cfg.run_dir, cfg.trainer.resume) if resume_checked else \
+            checked_resume_point(cfg, alloc.train.world_size)  # the whole checkpoint, before anything starts
         reset_run_dir(cfg.run_dir, resume)
         save_config(cfg, cfg.run_dir)
     resume = from_rank0(resume, ctrl)
@@ -332,11 +335,12 @@ def _train_step(step: int, cfg: RunConfig, engine: Any, sync: Any, version: Weig
 def _save(step: int, cfg: RunConfig, engine: Any, sync: Any, version: WeightVersion,
           owner: Optional[RolloutOwner]) -> Any:
     from mega_async.checkpoint import save_checkpoint
+    from mega_async.checkpoint_check import run_record
 
     t0 = time.monotonic()
     state, sizes = owner.snapshot(sync) if owner is not None else (None, {})
     path = save_checkpoint(cfg.run_dir, step, engine, version.value, cfg.parallel.allocation, state,
-                           keep=cfg.trainer.keep_checkpoints, extra=sizes)
+                           keep=cfg.trainer.keep_checkpoints, extra={**sizes, **run_record(cfg)})
     logger.info("checkpoint %s (%.1fs)", path, time.monotonic() - t0)
     return path
 

@@ -1,7 +1,10 @@
-"""Checkpoint files are untrusted input: a crafted pickle in `.metadata` or `common.pt` is refused with one
-line before anything unpickles it (torch's distributed-checkpoint reader would run it)."""
+"""Checkpoint files are untrusted input: a crafted pickle in `.metadata`, `common.pt` or an object entry of a
+`.distcp` file is refused with one line naming the file before anything unpickles it (torch's and Megatron's
+readers would run it: each exploit is shown to work on the stock reader first)."""
+import io
 import json
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,8 @@ import torch
 
 from mega_async.checkpoint import CheckpointError, check_dist_checkpoint
 from mega_async.convert import HF_SUBDIR, META, main as convert
+from mega_async.safe_load import dist_load
+from tests.unit.checkpoint_builder import EXTRA, WEIGHT, one_rank_group, save_model_dir, sharded_state_dict
 
 MARK = Path("/tmp/mega_async_pwned_by_checkpoint")
 
@@ -27,6 +32,8 @@ def fake_checkpoint(tmp_path, metadata: bytes, common=None):
     (d / HF_SUBDIR).mkdir(parents=True)
     (d / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": "megatron:d1"}))
     (d / ".metadata").write_bytes(metadata)
+    (d / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                                                 "common_backend": "torch", "common_backend_version": 1}))
     if common is not None:
         torch.save(common, d / "common.pt")
     return d
@@ -58,3 +65,100 @@ def test_getattr_gadgets_are_refused(tmp_path):
     imp = b"cbuiltins\n__import__\n(S'os'\ntR."
     with pytest.raises(CheckpointError, match=r"builtins\.__import__ is not a checkpoint-metadata class"):
         check_dist_checkpoint(fake_checkpoint(tmp_path / "2", imp))
+
+
+# ---- issue 18.1 (a): a gadget in .metadata that calls torch.load without weights_only ------------------------
+class ViaLoadFromBytes:
+    """Unpickles as torch.storage._load_from_bytes(<a torch.save'd Evil>): torch.load(weights_only=False) runs it."""
+
+    def __init__(self, mark: Path):
+        buf = io.BytesIO()
+        torch.save(EvilAt(mark), buf)
+        self.payload = buf.getvalue()
+
+    def __reduce__(self):
+        return (torch.storage._load_from_bytes, (self.payload,))
+
+
+class EvilAt:
+    def __init__(self, mark: Path):
+        self.mark = str(mark)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.mark!r}, 'w').write('pwned')",))
+
+
+def test_metadata_gadget_through_load_from_bytes_is_refused(tmp_path, capsys):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    mark = tmp_path / "pwned"
+    d = fake_checkpoint(tmp_path, pickle.dumps(Metadata(state_dict_metadata={}, planner_data=ViaLoadFromBytes(mark))))
+    FileSystemReader(str(d)).read_metadata()  # the stock reader runs it: the exploit is real
+    assert mark.read_text() == "pwned"
+    mark.unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata: refused to load: torch\.storage\._load_from_bytes is not a "
+                                              r"checkpoint-metadata class"):
+        check_dist_checkpoint(d)
+    rc = convert(["mcore-to-hf", "--mcore", str(d), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and f"{d / '.metadata'}: refused to load: torch.storage._load_from_bytes" in err
+    assert not mark.exists() and not (tmp_path / "out").exists()
+
+
+# ---- issue 18.1 (b): an object entry of a .distcp pointing at an appended torch.save'd payload ---------------
+@pytest.fixture(scope="module")
+def group():
+    with one_rank_group():
+        yield
+
+
+def poisoned(model_dir: Path, mark: Path) -> None:
+    """Append torch.save(Evil) to the .distcp holding the `_extra_state` object and point its entry there."""
+    meta = pickle.loads((model_dir / ".metadata").read_bytes())  # our own file: plain pickle is fine here
+    idx = next(i for i in meta.storage_data if i.fqn.startswith(EXTRA))
+    info = meta.storage_data[idx]
+    f = model_dir / info.relative_path
+    buf = io.BytesIO()
+    torch.save(EvilAt(mark), buf)
+    offset = f.stat().st_size
+    with f.open("ab") as out:
+        out.write(buf.getvalue())
+    info.offset, info.length = offset, len(buf.getvalue())
+    (model_dir / ".metadata").write_bytes(pickle.dumps(meta))
+
+
+def test_distcp_object_entry_with_a_payload_is_refused(group, tmp_path, capsys):
+    from megatron.core import dist_checkpointing
+
+    mark = tmp_path / "pwned"
+    d = save_model_dir(tmp_path / "mcore")
+    state = dist_load(sharded_state_dict(torch.zeros(3, 4)), d)["model"]  # the genuine checkpoint loads
+    assert state[EXTRA] is None and state[WEIGHT].equal(torch.arange(12.0).reshape(3, 4))
+    poisoned(d, mark)
+    with pytest.raises(TypeError):  # Megatron's stock load runs the payload (then trips over its result, None)
+        dist_checkpointing.load(sharded_state_dict(torch.zeros(3, 4)), str(d))
+    assert mark.read_text() == "pwned"
+    mark.unlink()
+    line = rf"{d}/__0_0\.distcp: {EXTRA}/shard_0_1: refused to load: .*only tensors and plain containers"
+    with pytest.raises(CheckpointError, match=line):
+        check_dist_checkpoint(d)  # before any library reads it
+    with pytest.raises(CheckpointError, match=line):
+        dist_load(sharded_state_dict(torch.zeros(3, 4)), d)  # and the load itself reads objects tensors-only
+    (d / HF_SUBDIR).mkdir()
+    (d / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": "megatron:d1"}))
+    rc = convert(["mcore-to-hf", "--mcore", str(d), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "\n" not in err and "__0_0.distcp: " in err and "refused to load" in err
+    assert not mark.exists()
+
+
+def test_convert_refuses_links_in_the_checkpoint(group, tmp_path, capsys):
+    d = save_model_dir(tmp_path / "mcore")
+    (d / HF_SUBDIR).mkdir()
+    (d / HF_SUBDIR / "tokenizer.json").symlink_to("/etc/passwd")  # would be copied into the export
+    (d / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": "megatron:d1"}))
+    rc = convert(["mcore-to-hf", "--mcore", str(d), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "hf/tokenizer.json: is a symbolic link (to /etc/passwd)" in err
+    shutil.rmtree(d)
