@@ -45,6 +45,53 @@ def test_greedy_is_deterministic_and_argmax(server, hf_models):
     assert bool(greedy_ok(hf_models["v0"], PROMPT, outs[0]).all())
 
 
+def prompt_logprobs(model, prompt: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(prompt[j] | prompt[:j]) for j = 1.. from a plain transformers forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    lp = torch.log_softmax(logits / temperature, -1)[:-1]
+    return lp.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+
+
+def test_prefill_only_scoring_returns_the_prompt_logprobs(server, hf_models):
+    """max_new_tokens 0 with return_logprob and logprob_start_len (how RL frameworks score a sequence): SGLang's
+    prefill-only request. input_token_logprobs covers prompt[logprob_start_len:], the first entry's logprob is
+    None (SGLang's format at any start), the rest are the model's; nothing is generated. The old server answered
+    input_token_logprobs [] without running the model."""
+    addr = server.addresses[0]
+    model = hf_models["v0"]
+    assert get(addr, "/model_info")[1]["weight_version"] == "0"
+    seqs = [PROMPT + [11, 12, 13], [9, 8, 7, 6, 5]]
+    st, outs = post(addr, "/generate", {"input_ids": seqs, "return_logprob": True, "logprob_start_len": 0,
+                                        "top_logprobs_num": 2, "sampling_params": {"max_new_tokens": 0}})
+    assert st == 200, outs
+    for seq, out in zip(seqs, outs):
+        m = out["meta_info"]
+        assert out["output_ids"] == [] and m["output_token_logprobs"] == [] and m["completion_tokens"] == 0
+        assert m["finish_reason"] == {"type": "length", "length": 0}
+        inp = m["input_token_logprobs"]
+        assert [t for _, t, _ in inp] == seq and inp[0][0] is None
+        assert torch.allclose(torch.tensor([x[0] for x in inp[1:]]), prompt_logprobs(model, seq), atol=1e-4)
+        tops = m["input_top_logprobs"]
+        assert len(tops) == len(seq) and tops[0] is None
+        assert all(len(row) == 2 and row[0][0] >= row[1][0] and row[0][0] >= lp - 1e-6
+                   for row, (lp, _, _) in zip(tops[1:], inp[1:]))
+
+    seq = seqs[0]  # from position 4, at temperature 0.5 (SGLang scales input logprobs by it too)
+    st, out = post(addr, "/generate", {"input_ids": seq, "return_logprob": True, "logprob_start_len": 4,
+                                       "sampling_params": {"max_new_tokens": 0, "temperature": 0.5}})
+    inp = out["meta_info"]["input_token_logprobs"]
+    assert st == 200 and [t for _, t, _ in inp] == seq[4:] and inp[0][0] is None
+    assert torch.allclose(torch.tensor([x[0] for x in inp[1:]]), prompt_logprobs(model, seq, 0.5)[4:], atol=1e-4)
+
+    st, out = post(addr, "/generate", {"input_ids": seq, "return_logprob": True, "logprob_start_len": len(seq),
+                                       "sampling_params": {"max_new_tokens": 0}})
+    assert st == 200 and out["meta_info"]["input_token_logprobs"] == []  # SGLang: nothing from there on
+    st, out = post(addr, "/generate", {"input_ids": seq, "return_logprob": True, "logprob_start_len": len(seq) + 1,
+                                       "sampling_params": {"max_new_tokens": 0}})
+    assert st == 400 and "is higher than the number of input tokens" in out["error"]["message"]
+
+
 def test_stop_string_spanning_many_tokens(server):
     """A stop string is matched in the decoded output however many tokens it spans (here 12): generation
     ends at the first token whose decoded prefix contains it, and the finish reason names the string."""

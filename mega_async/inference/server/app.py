@@ -279,21 +279,27 @@ class EmbeddedServer:
         self._rids.update(rids)
 
     async def submit(self, reqs: list[tuple[GenRequest, Options]], stream: bool = False) -> list[Tracked]:
-        """Wait while paused, then hand the requests to the engine (max_new_tokens 0 finish at once)."""
+        """Wait while paused, then hand the requests to the engine. max_new_tokens 0 is SGLang's prefill-only
+        request: scored in one forward when it asks prompt logprobs or routes, else finished at once."""
         await self._unpaused.wait()  # new requests wait while generation is paused
         if self._closing:
             raise web.HTTPServiceUnavailable(text="server shutting down")
         self._refuse_if_released()
         loop = asyncio.get_running_loop()
         tracked = [Tracked(r, o, loop) for r, o in reqs]
+        scored = []
         for t in tracked:
             if stream:
                 t.stream()
-            if t.req.max_new_tokens == 0:
+            if t.req.max_new_tokens > 0:
+                self.engine.add_request(t.req)
+            elif t.req.logprob_start_len >= 0 or t.req.return_routed_experts:
+                scored.append(t.req)
+            else:
                 t.req.finish_reason = {"type": "length", "length": 0}
                 t.done.set_result(t.req)
-            else:
-                self.engine.add_request(t.req)
+        if scored:
+            self.engine.score(scored)
         return tracked
 
     async def run_all(self, reqs: list[tuple[GenRequest, Options]],

@@ -262,8 +262,11 @@ def _one(body: dict, i: int, ids: list[int], sp: dict, rid: str, lim: GenerateLi
     if want_routes and not routed:
         raise ValueRejected("return_routed_experts requires the server to be started with "
                             "--enable-return-routed-experts")
-    if start >= len(ids):
-        raise ValueRejected(f"logprob_start_len ({start}) is superior or equal to the input length ({len(ids)}).")
+    if start > len(ids):  # SGLang's scheduler message; == len asks no prompt logprobs (SGLang's default)
+        raise ValueRejected(f"req.logprob_start_len={start} is higher than the number of input tokens "
+                            f"len(req.origin_input_ids)={len(ids)}. Please use a smaller logprob_start_len.")
+    if start == len(ids):
+        start = -1
     if top_n < 0:
         raise ValueRejected(f"top_logprobs_num must be at least 0, got {top_n}")
     req = GenRequest(
