@@ -84,8 +84,12 @@ def reward_for(cfg: RunConfig) -> Callable[..., float]:
 
         return gsm8k_reward
     if name == "code":
-        from mega_async.reward.code import code_reward
+        from mega_async.reward.code import SandboxUnavailable, check_sandbox, code_reward
 
+        try:
+            check_sandbox()  # once per process: refuse at start-up, not a run that rejects every sample
+        except SandboxUnavailable as e:
+            raise ConfigError(f"data.reward=code: {e}") from None
         return code_reward
     if name == "synthetic":
         from mega_async.reward.synthetic import target_token_reward

@@ -74,8 +74,30 @@ class Ids:
         self.mode, (self.judge, self.worker), self.setgroups = mode, uids, setgroups
 
 
-def _fresh_uid() -> int:
-    return 100_000 + secrets.randbelow(1 << 30)  # no such user: nothing on the host belongs to it
+def _id_ranges() -> list[tuple[int, int]]:
+    """(first, count) of the ids this user namespace maps, for both uids and gids (the host: [(0, 2**32-1)])."""
+    out = []
+    for name in ("uid_map", "gid_map"):
+        with open(f"/proc/self/{name}") as f:
+            out.append([(int(a), int(n)) for a, _, n in (line.split() for line in f if line.strip())])
+    return [(max(a, b), min(a + n, b + m) - max(a, b)) for a, n in out[0] for b, m in out[1]
+            if min(a + n, b + m) > max(a, b)]
+
+
+def _fresh_uid(ranges: list[tuple[int, int]]):
+    """An id nothing here belongs to (on the host: 100000 + up to 2**30), mapped in this user namespace, not 0
+    and not 65533/65534; None where this namespace maps no such id (a rootless container mapping only root)."""
+    if ranges == [(0, 4294967295)]:
+        return 100_000 + secrets.randbelow(1 << 30)
+    spans = [(max(a, 1000), a + n) for a, n in ranges if a + n > max(a, 1000)]
+    for _ in range(100):
+        if not spans:
+            return None
+        lo, hi = spans[secrets.randbelow(len(spans))]
+        uid = lo + secrets.randbelow(hi - lo)
+        if uid not in (65533, 65534):
+            return uid
+    return None
 
 
 def _unshare_mapped(flags: int, maps: dict) -> bool:
@@ -116,15 +138,21 @@ def unshare(isolation: str) -> Ids:
     works here."""
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
     errors = []
-    root = os.geteuid() == 0
+    root, ranges = os.geteuid() == 0, _id_ranges()
     if isolation in ("auto", "uid"):
-        if root and _libc.unshare(flags) == 0:
-            return Ids("uid", (_fresh_uid(), _fresh_uid()))
-        errors.append("as root: " + (os.strerror(ctypes.get_errno()) if root else "not root"))
+        uids = (_fresh_uid(ranges), _fresh_uid(ranges))
+        if not root:
+            errors.append("as root: not root")
+        elif None in uids:
+            errors.append("as root: this user namespace maps no unprivileged id to run as")
+        elif _libc.unshare(flags) == 0:
+            return Ids("uid", uids)
+        else:
+            errors.append("as root: " + os.strerror(ctypes.get_errno()))
     if isolation in ("auto", "userns"):
         uid, gid = os.geteuid(), os.getegid()
-        if root:  # ns root stays the host's root (to build the root); the two processes get fresh ids
-            judge, worker = _fresh_uid(), _fresh_uid()
+        if root and ranges == [(0, 4294967295)]:  # the host's root: the two processes get fresh ids
+            judge, worker = _fresh_uid(ranges), _fresh_uid(ranges)
             table = f"0 0 1\n65533 {judge} 1\n65534 {worker} 1"
             if _unshare_mapped(flags | CLONE_NEWUSER, {"uid_map": table, "gid_map": table}):
                 return Ids("userns", (65533, 65534))
@@ -201,7 +229,8 @@ def build_root(job: dict, worker_uid) -> None:
         mount(src, dst, None, MS_BIND | MS_REC)
         readonly.append(dst)
     os.makedirs(new + "/proc")
-    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # read-only: no sysctl, sysrq-trigger or /proc/<pid>/... write even for an id that owns them on the host
+    mount("proc", new + "/proc", "proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for point in _mountpoints(new + "/proc/self/mountinfo"):
         if any(point == r or point.startswith(r + "/") for r in readonly):
             mount(None, point, None, _readonly_flags(point))

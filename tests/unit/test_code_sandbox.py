@@ -17,20 +17,39 @@ import mega_async
 from mega_async.reward import code as code_mod
 from mega_async.reward.code import CodeReward, CodeRewardError, SandboxUnavailable, check_sandbox, collect, verdict
 
-ISOLATIONS = ["uid", "userns"] if os.geteuid() == 0 else ["userns"]
+# Where the launcher runs: as this process (root: 'uid' and a forced 'userns'), and inside a user namespace
+# made like a rootless container's (root mapped, with or without a range of other ids; needs root here).
+_NESTED = r"""
+import os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[2]))
+import sandbox
+assert sandbox._unshare_mapped(sandbox.CLONE_NEWUSER, {"uid_map": sys.argv[1], "gid_map": sys.argv[1]})
+os.execv(sys.executable, [sys.executable, "-I", "-S", sys.argv[2]])
+"""
+PLACES = {"uid": ([], "uid"), "userns": ([], "userns"),
+          "rootless-with-ids": ([sys.executable, "-c", _NESTED, "0 0 1\n1 200000 65536"], "auto"),
+          "rootless-root-only": ([sys.executable, "-c", _NESTED, "0 0 1"], "auto")}
+if os.geteuid() != 0:
+    PLACES = {"userns": PLACES["userns"]}
 
 
 def score(code: str, tests: list[str], isolation: str = "auto", **kw) -> float:
     return asyncio.run(CodeReward(isolation=isolation, **kw)("", f"```python\n{code}\n```", tests=tests))
 
 
-def explain(code: str, tests: list[str], isolation: str) -> str:
-    """The verdict and the judge's tracebacks of the failing tests (for assertion messages)."""
+def launch(code: str, tests: list[str], isolation: str = "auto", prefix=(), debug: bool = False):
+    """The launcher run directly (optionally under `prefix`): (verdict line, stderr)."""
     job = json.loads(CodeReward(isolation=isolation).job(code, tests))
-    job["debug"] = True
-    p = subprocess.run([sys.executable, "-I", "-S", code_mod._LAUNCHER], input=json.dumps(job).encode(),
-                       capture_output=True, timeout=60, check=False)
-    return p.stdout.decode() + p.stderr.decode(errors="replace")[-6000:]
+    job["debug"] = debug
+    p = subprocess.run([*prefix, *([] if prefix else [sys.executable, "-I", "-S"]), code_mod._LAUNCHER],
+                       input=json.dumps(job).encode(), capture_output=True, timeout=60, check=False)
+    return p.stdout.decode(), p.stderr.decode(errors="replace")
+
+
+def explain(code: str, tests: list[str], isolation: str = "auto", prefix=()) -> str:
+    """The verdict and the judge's tracebacks of the failing tests (for assertion messages)."""
+    out, err = launch(code, tests, isolation, prefix, debug=True)
+    return out + err[-6000:]
 
 
 def assert_all_pass(code: str, tests: list[str], isolation: str = "auto") -> None:
@@ -81,7 +100,8 @@ def probe():
                     libc.mount(b"tmpfs", b"/tmp/scratch", b"tmpfs", 0, None),
                     libc.unshare(0x00020000)]                          # a new mount namespace
     out["sysctl"] = []  # host-wide knobs (a piped core_pattern runs a program as root on the host)
-    for knob in ("/proc/sys/kernel/core_pattern", "/proc/sysrq-trigger", "/proc/sys/vm/drop_caches"):
+    for knob in ("/proc/sys/kernel/core_pattern", "/proc/sysrq-trigger", "/proc/sys/vm/drop_caches",
+                 "/proc/self/oom_score_adj"):
         try:
             open(knob, "w").close()
             out["sysctl"].append(knob)
@@ -91,11 +111,12 @@ def probe():
 '''
 
 
-@pytest.mark.parametrize("isolation", ISOLATIONS)
-def test_a_solution_reaches_nothing_of_the_host(tmp_path, isolation):
+@pytest.mark.parametrize("place", list(PLACES))
+def test_a_solution_reaches_nothing_of_the_host(tmp_path, place):
     """Writes outside its scratch dir (a dir the test owns, the project's source, the venv, $HOME, the host's
     /tmp), reads another process's environ/mem/fds, lists host pids, connects to a unix socket (path and
-    abstract) and to loopback TCP, keeps a capability, mounts, unshares: every one fails."""
+    abstract) and to loopback TCP, keeps a capability or uid 0, mounts, unshares, writes a host-wide sysctl
+    (core_pattern) or sysrq-trigger: every one fails, wherever the launcher runs."""
     secret = secrets.token_hex(8)
     owned = tmp_path / "owned"
     owned.mkdir(mode=0o777)
@@ -124,9 +145,15 @@ def test_a_solution_reaches_nothing_of_the_host(tmp_path, isolation):
                  "assert r['read'] == [], r", "assert r['connected'] == [], r",
                  "assert len(r['pids']) <= 3 and max(r['pids']) <= 10",  # the namespace's PID 1, the judge, itself
                  "assert set(r['caps'].values()) == {0} and r['no_new_privs'] == '1', r",
-                 f"assert r['uid'] {'!= 0' if isolation == 'uid' else '== 65534'}, r",
+                 "assert r['uid'] != 0, r",
                  "assert r['mount'] == [-1, -1, -1] and r['sysctl'] == [], r"]
-        assert_all_pass(code, tests, isolation)
+        prefix, isolation = PLACES[place]
+        if prefix:
+            out, _ = launch(code, tests, isolation, prefix)
+            assert json.loads(out) == {"passed": len(tests), "total": len(tests), "complete": True}, \
+                explain(code, tests, isolation, prefix)
+        else:
+            assert_all_pass(code, tests, isolation)
         for s in (path_sock, abstract, tcp):
             with pytest.raises(BlockingIOError):
                 s.accept()  # nobody connected
@@ -238,7 +265,7 @@ while True:
 '''
     tests = ["assert abs(sub(5, 3) - 3) < 1e-9", "assert len([1, 2]) == 0", "assert sub(5, 3) == 2",
              "assert math.isclose(sub(5, 3), 2)", "assert zero() == 0"]
-    assert score(hijack, tests) == pytest.approx(1 / len(tests)), explain(hijack, tests, "auto")
+    assert score(hijack, tests) == pytest.approx(1 / len(tests)), explain(hijack, tests)
 
 
 def test_the_tests_stay_out_of_the_solutions_reach():
