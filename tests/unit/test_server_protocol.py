@@ -119,3 +119,65 @@ def test_sampling_seed_makes_rows_reproducible():
     outs = {int(sample_full(logits[:1], [1.0], [-1], [1.0], generators=[torch.Generator().manual_seed(s)])[0])
             for s in range(20)}
     assert len(outs) > 3  # different seeds draw differently
+
+
+# ---- SGLang's request models (issue 25.1) --------------------------------------------------------------
+LAX_INPUTS = [True, False, 0, 1, 2, -3, 29500, 2 ** 70, 1.0, 1.5, -3.0, 0.0, 2.0 ** 62, 2.0 ** 63, -2.0 ** 63, 1e19,
+              float("inf"), float("nan"), "1", "29500", " 7 ", "\t5\n", "+5", "-0", "1.0", "1.00", "-2.000", "1.50",
+              "1.", ".0", "1e3", "1_000", "1_0.0", "1.0_0", "_1", "1__0", "0x10", "0b1", "00012", "", " ", "9" * 30,
+              "true", "True", "TRUE", "tRuE", " true", "false", "OFF", "on", "yes", "no", "y", "n", "t", "f", "abort",
+              "١٢", None, [], [1], {}, {"a": 1}]
+
+
+@pytest.mark.parametrize("kind", ["int", "bool", "str"])
+def test_lax_coercions_are_pydantics(kind):
+    """SGLang validates its control requests with pydantic in lax mode; ours give the same value or refuse the
+    same inputs (compared against pydantic itself where it is installed)."""
+    pydantic = pytest.importorskip("pydantic")
+    from mega_async.inference.server.protocol import FieldError, lax_bool, lax_int, lax_str
+
+    ours = {"int": lax_int, "bool": lax_bool, "str": lax_str}[kind]
+    ref = pydantic.TypeAdapter({"int": int, "bool": bool, "str": str}[kind])
+    for v in LAX_INPUTS:
+        try:
+            want = ("ok", ref.validate_python(v))
+        except pydantic.ValidationError as e:
+            want = ("refused", e.errors()[0]["msg"])
+        try:
+            got = ("ok", ours(v))
+        except FieldError as e:
+            got = ("refused", str(e))
+        assert got == want and type(got[1]) is type(want[1]), (kind, v)
+
+
+def test_areal_and_slime_control_bodies_validate_as_sglang():
+    """AReaL's own calls (sglang_remote.py): master_port as a string, the disk update's misspelt
+    abort_all_request (SGLang ignores unknown keys); other frameworks' booleans as strings; the one-line refusals."""
+    from mega_async.inference.server.protocol import BadRequest, validate_request
+
+    areal_init = {"master_address": "127.0.0.1", "master_port": str(29500), "rank_offset": 1, "world_size": 2,
+                  "backend": "nccl", "group_name": "update_weight_group"}
+    out = validate_request("/init_weights_update_group", areal_init)
+    assert out["master_port"] == 29500 and out["rank_offset"] == 1 and out["backend"] == "nccl"
+    out = validate_request("/update_weights_from_disk", {"model_path": "/w/v1", "abort_all_request": True})
+    assert out["abort_all_requests"] is False and out["flush_cache"] is True and out["abort_all_request"] is True
+    out = validate_request("/update_weights_from_distributed", {
+        "names": ["w"], "dtypes": ["bfloat16"], "shapes": [(2, "3")], "group_name": "g", "abort_all_requests": "true"})
+    assert out["shapes"] == [[2, 3]] and out["abort_all_requests"] is True and out["selector"] == "all"
+    assert validate_request("/pause_generation", {})["mode"] == "abort"
+    assert validate_request("/abort_request", {"rid": "r1", "abort_all": 0})["abort_all"] is False
+    for path, body, needle in [
+        ("/init_weights_update_group", {**areal_init, "master_port": "port"},
+         "master_port: Input should be a valid integer, unable to parse string as an integer (got 'port')"),
+        ("/init_weights_update_group", {"master_address": "h", "rank_offset": 1, "world_size": 2},
+         "master_port: Field required"),
+        ("/update_weight_version", {"new_version": 3}, "new_version: Input should be a valid string (got 3)"),
+        ("/pause_generation", {"mode": "later"}, "mode: Input should be 'abort', 'retract' or 'in_place'"),
+        ("/update_weights_from_distributed", {"names": ["w"], "dtypes": ["float32"], "shapes": [[1.5]]},
+         "shapes: [0]: [0]: Input should be a valid integer, got a number with a fractional part"),
+        ("/update_weights_from_disk", {"model_path": "/w", "flush_cache": None}, "flush_cache: Input should be a "
+         "valid boolean"),
+    ]:
+        with pytest.raises(BadRequest) as e:
+            validate_request(path, body)
+        assert needle in str(e.value), str(e.value)

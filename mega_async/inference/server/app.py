@@ -23,7 +23,8 @@ from mega_async.inference.server.generate_protocol import (GenerateLimits, Optio
                                                            prompt_items, response_body)
 from mega_async.inference.server.info import InfoEndpoints
 from mega_async.inference.server.memory import MemoryOccupation, parse_tags
-from mega_async.inference.server.protocol import BadRequest, ValueRejected, clean, error_body, handler_error_body
+from mega_async.inference.server.protocol import (BadRequest, ValueRejected, clean, error_body, handler_error_body,
+                                                  validate_request)
 from mega_async.inference.server.updates import WeightUpdates
 from mega_async.inference.server.weight_checker import WeightChecker, parse_check
 from mega_async.inference.server.weight_checker import reply_body as checker_reply
@@ -244,6 +245,10 @@ class EmbeddedServer:
             raise BadRequest("JSON body must be an object")
         return body
 
+    async def _model_body(self, request: web.Request) -> dict:
+        """A control endpoint's body, coerced field by field as SGLang's request model (protocol.REQUEST_MODELS)."""
+        return validate_request(request.path, await self._dict_body(request))
+
     # ---- generation ------------------------------------------------------------------------
     async def tokenize(self, items: list[Any]) -> list[list[int]]:
         """Token ids of each prompt; text is bounded first and tokenized off the event loop."""
@@ -393,10 +398,7 @@ class EmbeddedServer:
 
     # ---- generation control ----------------------------------------------------------------
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await self.json_body(request)
-        mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest(f"mode must be abort, retract or in_place, got {mode!r}")
+        mode = (await self._model_body(request))["mode"]
         self._paused = True
         self._unpaused.clear()
         self.updates.open_window()
@@ -405,7 +407,7 @@ class EmbeddedServer:
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await self.json_body(request)
+        await self._model_body(request)
         await asyncio.wrap_future(self.engine.resume())
         self._paused = False
         self._unpaused.set()
@@ -413,13 +415,10 @@ class EmbeddedServer:
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await self._dict_body(request)
-        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-        if not isinstance(abort_all, bool):
-            raise BadRequest(f"abort_all must be a boolean, got {abort_all!r}")
-        if not rid and not abort_all:
-            raise BadRequest("give rid or abort_all=true")
-        await asyncio.wrap_future(self.engine.abort(str(rid or ""), abort_all))
+        body = await self._model_body(request)
+        rid, abort_all = body["rid"] or "", body["abort_all"]
+        if rid or abort_all:  # neither: SGLang ignores the request (an empty rid would match every request)
+            await asyncio.wrap_future(self.engine.abort(rid, abort_all))
         return web.Response(status=200)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -430,9 +429,9 @@ class EmbeddedServer:
                                              "performed.)\n")
 
     async def _memory(self, request: web.Request, fn: Callable[[list[str]], None]) -> web.Response:
-        body = await self.json_body(request) if request.can_read_body else {}
+        body = await self._model_body(request) if request.can_read_body else {}
         try:
-            tags = parse_tags(body if isinstance(body, dict) else {})
+            tags = parse_tags(body)
             await asyncio.wrap_future(self.engine.run_command(lambda: fn(tags)))
         except (ValueError, EngineRefused) as e:
             return web.json_response(handler_error_body(str(e)), status=400)
@@ -469,7 +468,10 @@ class EmbeddedServer:
 
     def _replier(self, handler: Callable[[dict], Any]) -> Callable[[web.Request], Any]:
         async def reply(request: web.Request) -> web.Response:
-            status, out = await handler(await self._dict_body(request))
+            body = await self._dict_body(request)
+            if request.path != "/update_weights_from_distributed":  # validated by its handler, which rolls back
+                body = validate_request(request.path, body)    # a pause window first
+            status, out = await handler(body)
             return web.json_response(out, status=status)
 
         return reply

@@ -7,6 +7,7 @@ Schema problems (a missing field, a wrong type) raise `BadRequest`, answered wit
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -72,6 +73,157 @@ def clean(x: Any) -> Any:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+# ---- SGLang's request models ---------------------------------------------------------------------
+# SGLang's control endpoints take msgspec structs (managers/io_struct.py) that FastAPI validates with pydantic
+# in lax mode: "29500" is an int, "true" / 1 a bool, an int is no str, null only where the field is Optional,
+# unknown keys are ignored. `validate_model` applies those rules to a body, field by field.
+REQUIRED = object()
+_INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_TRUE = ("1", "on", "t", "true", "y", "yes")
+_FALSE = ("0", "off", "f", "false", "n", "no")
+
+
+class FieldError(ValueError):
+    pass
+
+
+def lax_int(v: Any) -> int:
+    if isinstance(v, int):
+        return int(v)
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise FieldError("Input should be a finite number")
+        if not v.is_integer():
+            raise FieldError("Input should be a valid integer, got a number with a fractional part")
+        if not -2.0 ** 63 < v < 2.0 ** 63:
+            raise FieldError("Unable to parse input string as an integer, exceeded maximum size")
+        return int(v)
+    if isinstance(v, str):
+        t = v.strip()
+        if not _INT_TEXT.fullmatch(t):
+            raise FieldError("Input should be a valid integer, unable to parse string as an integer")
+        return int(t.split(".")[0])
+    raise FieldError("Input should be a valid integer")
+
+
+def lax_bool(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and v.lower() in _TRUE + _FALSE:
+        return v.lower() in _TRUE
+    whole = (isinstance(v, int) and -2 ** 63 <= v < 2 ** 63) or (isinstance(v, float) and v.is_integer()
+                                                                 and -2.0 ** 63 < v < 2.0 ** 63)
+    if isinstance(v, str) or whole:  # pydantic's wording for a string or an i64 it cannot read as a boolean
+        raise FieldError("Input should be a valid boolean, unable to interpret input")
+    raise FieldError("Input should be a valid boolean")
+
+
+def lax_str(v: Any) -> str:
+    if not isinstance(v, str):
+        raise FieldError("Input should be a valid string")
+    return v
+
+
+def lax_dict(v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise FieldError("Input should be a valid dictionary")
+    return v
+
+
+def optional(kind: Any) -> Any:
+    def check(v: Any) -> Any:
+        return None if v is None else kind(v)
+    return check
+
+
+def list_of(kind: Any) -> Any:
+    def check(v: Any) -> list:
+        if not isinstance(v, (list, tuple)):
+            raise FieldError("Input should be a valid list")
+        out = []
+        for i, x in enumerate(v):
+            try:
+                out.append(kind(x))
+            except FieldError as e:
+                raise FieldError(f"[{i}]: {e}") from None
+        return out
+    return check
+
+
+def literal(*values: str) -> Any:
+    said = ", ".join(repr(x) for x in values[:-1]) + f" or {values[-1]!r}"
+
+    def check(v: Any) -> str:
+        if not isinstance(v, str) or v not in values:
+            raise FieldError(f"Input should be {said}")
+        return v
+    return check
+
+
+def validate_model(body: dict, fields: dict[str, tuple[Any, Any]]) -> dict:
+    """The body with each model field coerced as SGLang's pydantic validation does and its default filled in;
+    keys outside the model are kept as sent (SGLang ignores them; some are this server's extensions)."""
+    out = dict(body)
+    for key, (kind, default) in fields.items():
+        if key not in body:
+            if default is REQUIRED:
+                raise BadRequest(f"{key}: Field required")
+            out[key] = default
+            continue
+        try:
+            out[key] = kind(body[key])
+        except FieldError as e:
+            raise BadRequest(f"{key}: {e} (got {body[key]!r})") from None
+    return out
+
+
+_BASE = {"rid": (optional(lax_str), None), "http_worker_ipc": (optional(lax_str), None)}  # BaseReq
+SELECTOR = literal("target", "draft", "all")
+# SGLang 0.5.23's io_struct models of the endpoints this server answers, field for field
+REQUEST_MODELS: dict[str, dict[str, tuple[Any, Any]]] = {
+    "/update_weights_from_disk": {
+        **_BASE, "model_path": (lax_str, REQUIRED), "load_format": (optional(lax_str), None),
+        "abort_all_requests": (lax_bool, False), "weight_version": (optional(lax_str), None),
+        "is_async": (lax_bool, False), "torch_empty_cache": (lax_bool, False), "keep_pause": (lax_bool, False),
+        "recapture_cuda_graph": (lax_bool, False), "token_step": (lax_int, 0), "flush_cache": (lax_bool, True),
+        "manifest": (optional(lax_dict), None)},
+    "/init_weights_update_group": {
+        **_BASE, "master_address": (lax_str, REQUIRED), "master_port": (lax_int, REQUIRED),
+        "rank_offset": (lax_int, REQUIRED), "world_size": (lax_int, REQUIRED),
+        "group_name": (lax_str, DEFAULT_GROUP), "backend": (lax_str, None)},  # absent: nccl, or gloo without CUDA
+    "/update_weights_from_distributed": {
+        **_BASE, "names": (list_of(lax_str), REQUIRED), "dtypes": (list_of(lax_str), REQUIRED),
+        "shapes": (list_of(list_of(lax_int)), REQUIRED), "group_name": (lax_str, DEFAULT_GROUP),
+        "flush_cache": (lax_bool, True), "abort_all_requests": (lax_bool, False),
+        "weight_version": (optional(lax_str), None), "load_format": (optional(lax_str), None),
+        "selector": (SELECTOR, "all"), "torch_empty_cache": (lax_bool, False)},
+    "/destroy_weights_update_group": {**_BASE, "group_name": (lax_str, DEFAULT_GROUP)},
+    "/update_weight_version": {**_BASE, "new_version": (lax_str, REQUIRED), "abort_all_requests": (lax_bool, True)},
+    "/update_weights_from_tensor": {
+        **_BASE, "serialized_named_tensors": (list_of(lax_str), REQUIRED), "load_format": (optional(lax_str), None),
+        "flush_cache": (lax_bool, True), "abort_all_requests": (lax_bool, False),
+        "weight_version": (optional(lax_str), None), "selector": (SELECTOR, "all"),
+        "torch_empty_cache": (lax_bool, False)},
+    "/pause_generation": {**_BASE, "mode": (literal("abort", "retract", "in_place"), "abort")},
+    "/continue_generation": {**_BASE, "torch_empty_cache": (lax_bool, True)},
+    "/abort_request": {**_BASE, "abort_all": (lax_bool, False), "finished_reason": (optional(lax_dict), None),
+                       "abort_message": (optional(lax_str), None)},
+    "/release_memory_occupation": {**_BASE, "tags": (optional(list_of(lax_str)), None)},
+    "/resume_memory_occupation": {**_BASE, "tags": (optional(list_of(lax_str)), None)},
+    "/rollback_weights": dict(_BASE),  # this server's addition
+}
+
+
+def validate_request(path: str, body: Any) -> Any:
+    """A control endpoint's JSON object checked against its SGLang model (other bodies pass unchanged)."""
+    fields = REQUEST_MODELS.get(path)
+    if fields is None or not isinstance(body, dict):
+        return body
+    return validate_model(body, fields)
 
 
 # ---- weight-update group -----------------------------------------------------------------------
