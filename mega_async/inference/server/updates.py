@@ -23,7 +23,7 @@ from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN
 from mega_async.inference.server.engine import GenerationEngine
 from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate, Refused, byte_ranges,
                                                   parse_group_name, parse_init_group, parse_update_distributed,
-                                                  result_body, unflatten)
+                                                  result_body, unflatten, validate_request)
 from mega_async.inference.server.weights import (WeightBackup, WeightLoadError, check_layout, load_named_tensors,
                                           read_safetensors_dir)
 
@@ -320,6 +320,7 @@ class WeightUpdates:
         what = "Failed to update parameter online"
         refused: Optional[Refused] = None
         try:
+            body = validate_request("/update_weights_from_distributed", body)  # SGLang's model, coerced
             upd, group = self._precheck(body)
         except Refused as e:
             refused = e
