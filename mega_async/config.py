@@ -80,6 +80,11 @@ class RolloutConfig:
     # ask the servers for every token's routed experts (SGLang: --enable-return-routed-experts, added to servers
     # the run launches); the trainer reports how often its routing differs (mismatch/route_*)
     return_routed_experts: bool = False
+    # how a weight sync interrupts generation: abort (in-flight requests return their partial output and are
+    # resubmitted; AReaL) | retract (the servers requeue them, prefilled again under the new weights) | in_place
+    # (they keep their KV cache of the old weights) | none (no interruption: the sync waits for in-flight
+    # requests to finish first; the paper's non-interruptible baseline)
+    interrupt: str = "abort"
 
 
 @dataclass
@@ -282,6 +287,7 @@ def validate(cfg: RunConfig) -> None:
     if inf.backend == "sglang" and not inf.addresses and not cfg.model.path:
         raise ConfigError("inference.backend=sglang needs inference.addresses or model.path to launch servers")
     _positive("rollout.consumer_batch_size", r.consumer_batch_size)
+    _choice("rollout.interrupt", r.interrupt, ("abort", "retract", "in_place", "none"))
     _positive("rollout.max_staleness", r.max_staleness, allow_zero=True)
     if r.max_concurrent_rollouts is not None:
         _positive("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts)

@@ -144,7 +144,7 @@ def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
         with WorkflowExecutor.from_config(cfg.rollout, service.engine, workflow, should_accept=flt,
                                           version=version, events=events) as ex:
             sync = ReloadWeightSync(version, RolloutSide(service.engine, ex), cfg.model.path,
-                                    timeout=cfg.trainer.sync_timeout, events=events)
+                                    timeout=cfg.trainer.sync_timeout, events=events, interrupt=cfg.rollout.interrupt)
             try:
                 for step in range(cfg.trainer.total_steps):
                     batch = ex.prepare_batch(data)
@@ -394,7 +394,7 @@ def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Opti
     rollout = RolloutSide(service.engine, executor) if service is not None else None
     kw = dict(timeout=t.sync_timeout, verify=engine.compute_logprobs if t.verify_sync else None,
               verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group, events=events,
-              verify_method=t.verify_sync_method)
+              verify_method=t.verify_sync_method, interrupt=cfg.rollout.interrupt)
     if t.weight_sync == "disk":
         return DiskWeightSync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
                               keep=t.keep_weight_versions, **kw)

@@ -384,17 +384,32 @@ class SGLangClient:
         return list(await asyncio.gather(*(one(i, s) for i, s in enumerate(targets))))
 
     async def pause_generation(self, mode: str = "abort", timeout: Optional[float] = None) -> None:
+        """SGLang's modes: abort (in-flight requests return their partial output; we resubmit them), retract
+        (they go back to the server's queue and are prefilled again under the new weights) or in_place (they
+        keep their place and their KV cache)."""
         await self._post_all("/pause_generation", {"mode": mode}, only_healthy=True, timeout=timeout)
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Until no request of this client is in flight (rollout.interrupt=none: generation finishes before the
+        servers pause; new requests are held by `pause()` meanwhile). Raises ServerError after `timeout`."""
+        deadline = time.monotonic() + timeout
+        while (n := sum(s.in_flight for s in self.servers)):
+            if time.monotonic() > deadline:
+                raise ServerError(f"{n} requests still in flight after {timeout:g}s (rollout.interrupt=none "
+                                  "waits for them before pausing; raise trainer.sync_timeout)")
+            await asyncio.sleep(0.01)
 
     async def continue_generation(self) -> None:
         """Never raises for a dead server: the others must not be left paused."""
         await self._post_all("/continue_generation", {}, check=False)
 
-    async def update_weights_from_disk(self, path: str, version: int | str, check: bool = True) -> list[Any]:
+    async def update_weights_from_disk(self, path: str, version: int | str, check: bool = True,
+                                       flush_cache: bool = True) -> list[Any]:
         """Every server loads the HF directory `path`. `check=False`: never raises; failed servers' replies are
-        returned as they came (None for an unreachable one)."""
-        return await self._post_all("/update_weights_from_disk",
-                                    {"model_path": str(path), "weight_version": str(version), "flush_cache": True},
+        returned as they came (None for an unreachable one). `flush_cache=False` with in-place pauses: SGLang
+        0.5.21+ fails an update whose flush finds requests still running."""
+        return await self._post_all("/update_weights_from_disk", {"model_path": str(path), "weight_version":
+                                                                  str(version), "flush_cache": flush_cache},
                                     check=check)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
@@ -409,11 +424,12 @@ class SGLangClient:
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, version: int | str | None = None,
-                                              load_format: Optional[str] = None, timeout: Optional[float] = None) -> None:
+                                              load_format: Optional[str] = None, timeout: Optional[float] = None,
+                                              flush_cache: bool = True) -> None:
         """One bucket: every server receives the broadcast that the trainer starts after posting this.
         `load_format="flattened_bucket"`: the bucket travels as one uint8 buffer (SGLang's layout)."""
         body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                                "flush_cache": True}
+                                "flush_cache": flush_cache}
         if version is not None:
             body["weight_version"] = str(version)
         if load_format is not None:

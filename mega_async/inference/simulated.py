@@ -15,6 +15,8 @@ import time
 
 from mega_async.types import ModelRequest, ModelResponse
 
+INTERRUPT_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
+
 
 class SimulatedEngine:
     def __init__(
@@ -40,10 +42,22 @@ class SimulatedEngine:
         self.in_flight = 0
 
     # ---- weight-update protocol (called from the trainer thread) --------------------------
-    def pause_generation(self) -> None:
-        """Abort the chunks in flight; requests wait until continue_generation."""
+    def pause_generation(self, mode: str = "abort", timeout: float | None = None) -> None:
+        """abort: the chunks in flight are cut; retract / in_place: they finish, nothing is cut. Either way
+        requests wait until continue_generation."""
+        if mode not in INTERRUPT_MODES:
+            raise ValueError(f"pause mode {mode!r}: use one of {INTERRUPT_MODES}")
         self._running.clear()
-        self._pause_epoch += 1
+        if mode == "abort":
+            self._pause_epoch += 1
+
+    async def wait_idle(self, timeout: float) -> None:
+        """Until no request is in flight (rollout.interrupt=none lets generation finish before the pause)."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.in_flight} requests still in flight after {timeout:g}s")
+            await asyncio.sleep(0.001)
 
     def continue_generation(self) -> None:
         self._running.set()

@@ -39,6 +39,9 @@ from mega_async.types import WeightVersion
 logger = logging.getLogger("mega_async.trainer.sync")
 
 
+INTERRUPT_MODES = ("abort", "retract", "in_place", "none")  # rollout.interrupt
+
+
 class SyncError(RuntimeError):
     """A weight sync failed; the servers keep their old weights and version."""
 
@@ -105,7 +108,7 @@ class WeightSync:
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
                  verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None, events: Any = None,
-                 verify_method: str = "auto"):
+                 verify_method: str = "auto", interrupt: str = "abort"):
         self.events = events if events is not None else NullEventLog()  # phases on the run's timeline
         self.models = list(models)
         self.group = group  # for the small agreements between ranks (a gloo group with a long timeout)
@@ -117,6 +120,10 @@ class WeightSync:
         if verify_method not in ("auto", "probe", "checksum"):
             raise ValueError(f"verify_method={verify_method!r}: use auto, probe or checksum")
         self.verify_method = verify_method
+        if interrupt not in INTERRUPT_MODES:
+            raise ValueError(f"interrupt={interrupt!r}: use one of {INTERRUPT_MODES}")
+        self.interrupt = interrupt
+        self.flush_cache = interrupt != "in_place"  # SGLang 0.5.21+ fails an update whose flush finds requests
         self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last verify
         self.temperature = temperature
         self._loop = _Loop()
@@ -125,7 +132,12 @@ class WeightSync:
     # ---- the bracket -------------------------------------------------------------------------
     @contextlib.contextmanager
     def pause_bracket(self) -> Iterator[None]:
-        """executor stops admitting -> client holds resubmits -> servers pause ... and back, in finally."""
+        """executor stops admitting -> client holds resubmits -> servers pause ... and back, in finally.
+
+        How the servers pause is `rollout.interrupt`: abort (in-flight requests return their partial output and
+        are resubmitted after the update), retract (the servers requeue them and prefill them again under the
+        new weights), in_place (they keep their KV cache), none (no interruption: the bracket first waits for
+        every in-flight request to finish, new ones held, then pauses)."""
         r = self.rollout
         if r is None:
             yield
@@ -137,9 +149,11 @@ class WeightSync:
             _maybe(r.client, "pause")
             try:
                 try:
-                    takes = "timeout" in inspect.signature(r.client.pause_generation).parameters
-                    pause = r.client.pause_generation(timeout=self.timeout) if takes else r.client.pause_generation()
-                    self._wait(pause)  # the HTTP call carries the same timeout, so it cannot land after continue
+                    if self.interrupt == "none":  # the non-interruptible baseline: generation finishes first
+                        self._wait(r.client.wait_idle(self.timeout))
+                    mode = "abort" if self.interrupt == "none" else self.interrupt
+                    # the HTTP call carries the same timeout, so it cannot land after continue
+                    self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout))
                     self.events.emit("sync_end", phase="pause")
                     yield
                 finally:  # also when pausing failed half-way: no server stays paused
@@ -420,7 +434,7 @@ class ReloadWeightSync(WeightSync):
         client = self.rollout.client if self.rollout is not None else None
         try:
             if hasattr(client, "update_weights_from_disk"):
-                self._wait(client.update_weights_from_disk(self.path, target))
+                self._wait(client.update_weights_from_disk(self.path, target, flush_cache=self.flush_cache))
             elif client is not None:
                 client.set_version(target)
         except Exception as e:  # noqa: BLE001
@@ -455,7 +469,8 @@ class DiskWeightSync(WeightSync):
             return None
         t0 = time.perf_counter()
         try:
-            self._loop.run(self.rollout.client.update_weights_from_disk(str(self.path(target)), target), self.timeout)
+            self._loop.run(self.rollout.client.update_weights_from_disk(str(self.path(target)), target,
+                                                                        flush_cache=self.flush_cache), self.timeout)
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         self.last["load_s"] = time.perf_counter() - t0
@@ -478,7 +493,8 @@ class DiskWeightSync(WeightSync):
             return super()._rollback()
         client = self.rollout.client
         try:
-            replies = self._loop.run(client.update_weights_from_disk(str(path.resolve()), v, check=False),
+            replies = self._loop.run(client.update_weights_from_disk(str(path.resolve()), v, check=False,
+                                                                     flush_cache=self.flush_cache),
                                      2 * self.timeout + 10)
         except Exception as e:  # noqa: BLE001
             replies = [f"{type(e).__name__}: {e}"] * len(client.servers)
@@ -628,6 +644,7 @@ class DistributedWeightSync(WeightSync):
         weight_version only on success), so a failed sync never leaves a server claiming the new one."""
         if self.rollout is not None and self.pg is not None:
             self._loop.run(self.client.update_weights_from_distributed([], [], [], self.group_name, version=target,
+                                                                       flush_cache=self.flush_cache,
                                                                        timeout=self.timeout), self.timeout + 10)
         return None
 
@@ -667,7 +684,7 @@ class DistributedWeightSync(WeightSync):
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
         fut = self._loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
             [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order], [bucket.shapes[i] for i in order],
-            self.group_name, load_format=fmt, timeout=self.timeout))
+            self.group_name, load_format=fmt, timeout=self.timeout, flush_cache=self.flush_cache))
         works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
         stats["bucket_s"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes
