@@ -62,7 +62,8 @@ def test_chat_stream_and_completions(client):
                                      n=2, extra_body={"return_token_ids": True, "ignore_eos": True})
     assert len(comp.choices) == 2 and comp.usage.prompt_tokens == 4 and comp.usage.completion_tokens == 10
     assert len(comp.choices[0].logprobs.token_logprobs) == 5 and comp.choices[0].model_extra["token_ids"]
-    assert comp.usage.prompt_tokens_details.cached_tokens == 0  # counted once per prompt (the first sample)
+    # counted once per prompt (the first sample), which, as in SGLang, joins from the prompt's warm-up prefill
+    assert comp.usage.prompt_tokens_details.cached_tokens == 3
     from openai import BadRequestError
 
     with pytest.raises(BadRequestError, match="tool calling is not supported"):

@@ -419,9 +419,7 @@ class GenerationEngine:
         keep = []
         for i, r in enumerate(reqs):
             self._append(r, int(toks[i]), float(lps[i]))
-            if self._check_finished(r):
-                self._release(r, None)  # its KV (the prompt) is in the tree already
-            else:
+            if not self._check_finished(r, None):  # finished: its KV (the prompt) is in the tree already
                 keep.append(i)
         if not keep:
             return
@@ -520,10 +518,8 @@ class GenerationEngine:
         keep = []
         for i, r in enumerate(self._running):
             self._append(r, int(toks[i]), float(lps[i]))
-            if not self._check_finished(r):
+            if not self._check_finished(r, row_source(self._cache, self._mask, i)):
                 keep.append(i)
-            else:
-                self._release(r, row_source(self._cache, self._mask, i))
         if len(keep) != B:
             self._select_rows(keep)
 
@@ -535,7 +531,8 @@ class GenerationEngine:
         if r.on_step is not None:
             r.on_step(r)
 
-    def _check_finished(self, r: GenRequest) -> bool:
+    def _check_finished(self, r: GenRequest, kv_of: Optional[KVSource] = None) -> bool:
+        """Finish r if it is done; its row's KV (`kv_of`) enters the radix cache before its answer goes out."""
         tok = r.output_ids[-1]
         reason = None
         if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
@@ -551,6 +548,7 @@ class GenerationEngine:
         if reason is None and len(r.output_ids) >= r.max_new_tokens:
             reason = {"type": "length", "length": len(r.output_ids)}
         if reason is not None:
+            self._release(r, kv_of)
             self._finish(r, reason)
             return True
         return False
