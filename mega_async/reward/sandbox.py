@@ -4,9 +4,10 @@ to stdout; standard library only (ctypes for the system calls Python lacks).
 
 Layout: this process (host side) unshares mount, PID, network, IPC and UTS namespaces (as root; otherwise
 inside a new user namespace) and forks the namespace's PID 1, which builds a new root on a tmpfs (read-only
-binds of /usr, /etc, /bin, /lib* and the Python installation; a fresh /proc of the new PID namespace; private
-tmpfs /tmp, /dev/shm and a minimal /dev), pivots into it and detaches the host's tree. It then starts two
-processes with no capabilities, `no_new_privs`, resource limits and (as root) their own unprivileged uids:
+binds of /usr, /etc, /bin, /lib* and the Python installation; a fresh, read-only /proc of the new PID
+namespace; private tmpfs /tmp, /dev/shm and a minimal /dev), pivots into it and detaches the host's tree. It
+then starts two processes with no capabilities, `no_new_privs`, resource limits and fresh unprivileged uids
+(where the user namespace maps only one id: that one):
 the judge, which alone holds the verdict pipe and runs the tests, and the worker, which runs the solution
 (sandbox_harness.py). Nothing of the host's is reachable: no file to write, no process to see, no socket
 (a new network namespace also isolates abstract unix sockets; filesystem sockets are not in the new root).
@@ -363,8 +364,9 @@ def main() -> int:
     job = json.loads(sys.stdin.buffer.read())
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")) as f:
         job["harness"] = f.read()
-    job["python_dirs"] = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                                               os.path.dirname(os.path.realpath(sys.executable)))})
+    dirs = (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable))
+    job["python_dirs"] = sorted({f(p) for p in dirs for f in (os.path.abspath, os.path.realpath)}
+                                | {os.path.dirname(os.path.realpath(sys.executable))})  # as named and as resolved
     if os.uname().machine not in SYS_PIVOT_ROOT:
         raise Refused(f"no pivot_root system call number for {os.uname().machine} in mega_async/reward/sandbox.py")
     ids = unshare(job.get("isolation", "auto"))

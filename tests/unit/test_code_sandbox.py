@@ -241,7 +241,8 @@ def honest(a, b): return a + b
     assert_all_pass(honest, ["assert f() == 3 and type(f()) is int", "assert g() == (1, 2)",
                              "assert h() == {'a': 2, 'b': 1}", "assert list(gen(3)) == [0, 1, 2]",
                              "b = Box(7)\nassert b.get() == 7 and b.v == 7 and len(b) == 4",
-                             "try:\n    boom()\nexcept ValueError as e:\n    assert str(e) == 'no'\nelse:\n    assert False",
+                             "try:\n    boom()\nexcept ValueError as e:\n    assert str(e) == 'no'\n"
+                             "else:\n    assert False",
                              "import math\nassert math.isclose(f() / 2, 1.5)"])
 
 
