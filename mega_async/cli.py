@@ -66,15 +66,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from mega_async.checkpoint import CheckpointError, checked_resume_point, resume_point
     from mega_async.loop import check_inputs
 
-    checked = not spmd.under_launcher()  # under torchrun/srun every rank runs this: rank 0 checks in run_training
-    if checked:  # the checkpoint checked whole before any rank or server starts (refuses to mix two runs)
-        checked_resume_point(cfg, world)
-    else:  # no mix of two runs, no link out of the run directory, before anything is written
-        resume_point(cfg.run_dir, cfg.trainer.resume)
+    resume_point(cfg.run_dir, cfg.trainer.resume)  # no mix of two runs, no link out of the run dir, before a write
     check_inputs(cfg)  # model card, context budget, dataset and reward before any rank or server starts
     from mega_async.console import setup_logging
 
     setup_logging(cfg.logging.level, cfg.run_dir, cfg.trainer.total_steps, verbose=args.verbose)
+    checked = not spmd.under_launcher()  # under torchrun/srun every rank runs this: rank 0 checks in run_training
+    if checked:  # the checkpoint checked whole (logged) before any rank or server starts
+        checked_resume_point(cfg, world)
     if world > 1 and not spmd.under_launcher():  # one host: start the trainer ranks ourselves
         argv = ["train"] + (["-c", args.config] if args.config else []) + (["-v"] if args.verbose else []) \
             + list(args.overrides)

@@ -2,14 +2,17 @@
 layout and at another one; crafted pickles in a checkpoint are refused before anything unpickles them."""
 import json
 import pickle
+import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from mega_async.checkpoint import CheckpointError, check_dist_checkpoint, latest_checkpoint
+from mega_async.checkpoint_check import verify_manifest, write_manifest
 from mega_async.model_cards import TINY_MOE, init_random_weights
 from tests.dist.test_engine import torchrun
+from tests.unit.test_untrusted_checkpoint import poisoned
 
 pytestmark = pytest.mark.slow  # nine torchrun launches: CI's second step (the rollout side and the untrusted-file
 # checks run in the default suite: tests/unit/test_rollout_checkpoint.py, test_untrusted_checkpoint.py)
@@ -58,8 +61,19 @@ def test_a_resume_that_would_split_the_optimizer_differently_is_refused(moe, tmp
 def test_crafted_pickles_are_refused(moe, tmp_path):
     run_dir = tmp_path / "run"
     run("save", moe, "megatron:d1", 1, run_dir, tmp_path / "o")
-    model = latest_checkpoint(run_dir) / "model"
-    check_dist_checkpoint(model)  # a genuine checkpoint passes
+    ckpt = latest_checkpoint(run_dir)
+    model = ckpt / "model"
+    t0 = time.monotonic()
+    assert verify_manifest(ckpt)  # sealed: every file's size and sha256
+    check_dist_checkpoint(model)  # a genuine checkpoint passes (its _extra_state objects read tensors-only)
+    print(f"manifest + model checks of a real tiny checkpoint: {time.monotonic() - t0:.2f} s")
+    # a layer's _extra_state entry pointed at a torch.save'd payload appended to its .distcp, re-sealed
+    mark = tmp_path / "pwned"
+    poisoned(model, mark)
+    write_manifest(ckpt)
+    with pytest.raises(AssertionError, match=r"CheckpointError: .*__0_\d\.distcp: .*_extra_state.*: refused to load"):
+        run("load", moe, "megatron:d1", 1, run_dir, tmp_path / "r")
+    assert not mark.exists()
 
     class Evil:
         def __reduce__(self):
