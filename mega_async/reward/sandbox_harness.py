@@ -18,7 +18,7 @@ import struct
 import sys
 import time
 
-MAX_MESSAGE = 8 << 20  # bytes of one request or reply
+MAX_MESSAGE = 32 << 20  # bytes of one request or reply (a test may pass a list of a million ints)
 MAX_ITEMS = 100_000  # elements `list(handle)` may take from an iterator of the solution's
 _HEADER = struct.Struct(">I")
 
