@@ -182,6 +182,71 @@ def test_info_endpoints(server):
     assert get(addr, "/flush_cache")[0] == 200
 
 
+def test_frameworks_request_shapes_are_accepted_as_sglang_does(server):
+    """Issue 25: AReaL's /init_weights_update_group sends master_port as a string (SGLang's pydantic model coerces
+    it; the old server answered 400 on the port): here it gets past the schema to the backend check (nccl on a
+    CPU server). slime sends sampling_params.custom_params whenever rollout_top_p < 1 (old: 400); a custom logit
+    processor stays refused with SGLang's message, as without --enable-custom-logit-processor."""
+    addr = server.addresses[0]
+    areal_init = {"master_address": "127.0.0.1", "master_port": str(free_port()), "rank_offset": 1,
+                  "world_size": 2, "backend": "nccl", "group_name": "update_weight_group"}
+    st, out = post(addr, "/init_weights_update_group", areal_init)
+    assert st == 400 and "backend 'nccl' needs CUDA" in out["message"], out
+    st, out = post(addr, "/init_weights_update_group", {**areal_init, "master_port": "twenty"})
+    assert st == 400 and out["message"].startswith("master_port: Input should be a valid integer"), out
+
+    slime_sp = {"temperature": 1.0, "top_p": 0.9, "top_k": -1, "max_new_tokens": 4, "stop": None,
+                "stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+                "spaces_between_special_tokens": False, "custom_params": {"return_top_p_token_ids": True}}
+    st, out = post(addr, "/generate", {"input_ids": PROMPT, "sampling_params": slime_sp, "return_logprob": True})
+    assert st == 200 and len(out["meta_info"]["output_token_logprobs"]) == 4, out
+    st, out = post(addr, "/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2},
+                                       "custom_logit_processor": '{"callable": "00"}'})
+    assert st == 400 and out["error"]["message"].startswith("The server is not configured to enable custom logit")
+    st, si = get(addr, "/server_info")
+    assert si["enable_memory_saver"] is False and si["enable_custom_logit_processor"] is False  # as started
+
+    st, _ = post(addr, "/abort_request", {})  # SGLang ignores an abort naming nothing (old: 400)
+    assert st == 200
+    st, out = post(addr, "/pause_generation", {"mode": "later"})
+    assert st == 400 and "mode: Input should be 'abort', 'retract' or 'in_place'" in out["message"]
+
+
+def test_models_retrieve_loads_post_process_and_unknown_routes(server):
+    """GET /v1/models/{id} (the openai client's models.retrieve, old: 404), /v1/loads, /post_process_weights
+    (nothing to repack on this server: success) and SGLang's error body for a route that does not exist."""
+    from openai import NotFoundError, OpenAI
+
+    addr = server.addresses[0]
+    client = OpenAI(base_url=f"http://{addr}/v1", api_key="none", max_retries=0)
+    served = client.models.list().data[0].id
+    card = client.models.retrieve(served)
+    assert card.id == served and card.owned_by == "sglang"
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("no-such-model")
+    st, out = get(addr, "/v1/models/no-such-model")
+    assert st == 404 and out["error"]["code"] == "model_not_found"
+
+    st, out = get(addr, "/v1/loads")
+    assert st == 200 and out["num_accelerators"] == 1 and len(out["loads"]) == 1
+    load = out["loads"][0]
+    assert load["dp_rank"] == 0 and load["num_running_reqs"] == 0 and load["queues"]["waiting"] == 0
+    assert load["max_running_requests"] >= 1 and 0.0 <= load["token_usage"] <= 1.0
+    assert "queues" not in get(addr, "/v1/loads?include=core")[1]["loads"][0]
+    assert get(addr, "/v1/loads?dp_rank=1")[1]["loads"] == []
+    st, out = get(addr, "/v1/loads?include=gpu")
+    assert st == 400 and "Invalid include sections" in out["message"]
+    st, text = get(addr, "/v1/loads?format=prometheus")
+    assert st == 200 and 'sglang_num_running_reqs{dp_rank="0"} 0' in text and "sglang_queues_waiting" in text
+
+    st, out = post(addr, "/post_process_weights", {"restore_weights_before_load": False,
+                                                   "post_process_quantization": "true"})
+    assert st == 200 and out["success"] is True
+    st, out = get(addr, "/no_such_endpoint")
+    assert st == 404 and out == {"object": "error", "message": "Not Found", "type": "404", "param": None,
+                                 "code": 404}
+
+
 def test_pause_abort_update_continue_resubmits(server, hf_models, weights_root):
     """Pause mid-generation -> update from disk (version 1) -> continue: the request finishes with both versions."""
     addr = server.addresses[0]

@@ -116,7 +116,7 @@ def test_flush_while_paused_versions_and_info(server, weights_root):
     st, out = post(addr, "/update_weights_from_tensor", {"serialized_named_tensors": []})
     assert st == 400 and "update_weights_from_tensor" in out["message"]
     si = get(addr, "/server_info")[1]
-    assert si["enable_memory_saver"] is True and si["disable_radix_cache"] is False and si["dp_size"] == 1
+    assert si["enable_memory_saver"] is False and si["disable_radix_cache"] is False and si["dp_size"] == 1
 
 
 def test_weight_files_outside_root_fifo_and_corrupt_are_refused(server, weights_root, tmp_path):

@@ -125,7 +125,8 @@ class EmbeddedServer:
                  seed: int = 0, host: str = "127.0.0.1", port: int = 30000, max_new_tokens_cap: int = 1 << 16,
                  weight_update_timeout_s: float = 300.0, prefix_cache_tokens: int = 1 << 16,
                  enable_return_routed_experts: bool = False, served_model_name: Optional[str] = None,
-                 sglang_version: str = MIRRORED_DEFAULT):
+                 sglang_version: str = MIRRORED_DEFAULT, enable_memory_saver: bool = False,
+                 enable_custom_logit_processor: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(Path(model_path).resolve())
@@ -134,6 +135,8 @@ class EmbeddedServer:
         self.api_key = api_key
         self.host, self.port, self.dtype, self.device = host, port, dtype, device
         self.enable_return_routed_experts = enable_return_routed_experts
+        # reported in /server_info as started (SGLang's flags, default off); memory is released either way
+        self.enable_memory_saver, self.enable_custom_logit_processor = enable_memory_saver, enable_custom_logit_processor
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype]).to(device)
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -186,6 +189,7 @@ class EmbeddedServer:
             r.add_post("/begin_weight_update", self._replier(self.updates.begin_session))
             r.add_post("/end_weight_update", self._replier(self.updates.end_session))
         r.add_route("*", "/weights_checker", self.weights_checker)
+        r.add_post("/post_process_weights", self._replier(self.post_process_weights))
         r.add_route("*", "/release_memory_occupation", self.release_memory)
         r.add_route("*", "/resume_memory_occupation", self.resume_memory)
         self.info.register(r)
@@ -222,6 +226,9 @@ class EmbeddedServer:
             return await handler(request)
         except BadRequest as e:
             return web.json_response(error_body(e), status=400)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:  # SGLang's ErrorResponse for Starlette's
+            return web.json_response({"object": "error", "message": e.reason, "type": str(e.status),
+                                      "param": None, "code": e.status}, status=e.status)
         except web.HTTPException:
             raise
         except Exception as e:  # noqa: BLE001 - a handler error answers 400 and the server keeps serving
@@ -269,7 +276,8 @@ class EmbeddedServer:
     async def prepare(self, body: dict) -> tuple[list[tuple[GenRequest, Options]], bool]:
         items, is_batch = prompt_items(body)
         prompts = await self.tokenize(items)
-        reqs = parse_generate(body, prompts, is_batch, self.limits, self.enable_return_routed_experts)
+        reqs = parse_generate(body, prompts, is_batch, self.limits, self.enable_return_routed_experts,
+                              self.enable_custom_logit_processor)
         return reqs, is_batch or len(reqs) > 1
 
     def _refuse_if_released(self) -> None:
@@ -454,6 +462,12 @@ class EmbeddedServer:
         return web.json_response(checker_reply(ok, message, ranks), status=200 if ok else 400)
 
     # ---- weight updates --------------------------------------------------------------------
+    async def post_process_weights(self, body: dict) -> tuple[int, dict]:
+        """POST /post_process_weights {restore_weights_before_load, post_process_quantization}: SGLang's hook that
+        repacks quantized or kernel-layout weights after a refit. This server keeps every weight in its load
+        layout, unquantized, so there is nothing to do: success, as SGLang answers a model without such layers."""
+        return 200, {"success": True, "message": "Success"}
+
     async def _exclusive(self, body: dict, fn: Any) -> Any:
         """Run fn on the engine thread; without a pause, wait for in-flight requests first (writer lock)."""
         if body.get("abort_all_requests"):

@@ -40,6 +40,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
                    help="token budget of the prefix cache that lets a GRPO group share one prefill (LRU)")
     p.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the model path)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="report enable_memory_saver as SGLang does when started with it (colocated runs); "
+                        "/release_memory_occupation frees memory either way")
+    p.add_argument("--enable-custom-logit-processor", action="store_true",
+                   help="SGLang's flag, reported in /server_info; the embedded server still runs no custom logit "
+                        "processor (they are pickled code) and says so instead of SGLang's 'not enabled'")
     p.add_argument("--sglang-version", default=MIRRORED_DEFAULT,
                    help=f"the SGLang release whose weight-update protocol to mirror ({TESTED_RANGE}; before 0.5.21: "
                         "no /begin_weight_update sessions)")
@@ -64,7 +70,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                             host=args.host, port=args.port, weight_update_timeout_s=args.weight_update_timeout,
                             prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
                             enable_return_routed_experts=args.enable_return_routed_experts,
-                            served_model_name=args.served_model_name, sglang_version=args.sglang_version)
+                            served_model_name=args.served_model_name, sglang_version=args.sglang_version,
+                            enable_memory_saver=args.enable_memory_saver,
+                            enable_custom_logit_processor=args.enable_custom_logit_processor)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True,

@@ -22,11 +22,15 @@ SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temp
                  "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens",
                  "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
                  "custom_params", "beam_width", "watermark", "choice")
-NOT_IMPLEMENTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice",
-                   "custom_params")
-TOP_NOT_IMPLEMENTED = ("token_ids_logprob", "return_hidden_states", "custom_logit_processor", "lora_path",
-                       "session_params", "image_data", "video_data", "audio_data", "bootstrap_host",
-                       "return_sampling_mask")
+NOT_IMPLEMENTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")
+TOP_NOT_IMPLEMENTED = ("token_ids_logprob", "return_hidden_states", "lora_path", "session_params", "image_data",
+                       "video_data", "audio_data", "bootstrap_host", "return_sampling_mask")
+# SGLang's tokenizer manager, word for word, when --enable-custom-logit-processor is off
+CUSTOM_LOGIT_PROCESSOR_OFF = ("The server is not configured to enable custom logit processor. Please set "
+                              "`--enable-custom-logit-processor` to enable this feature.")
+CUSTOM_LOGIT_PROCESSOR_ON = ("custom_logit_processor is not run by the embedded server even with "
+                             "--enable-custom-logit-processor: it is a pickled Python callable (dill) and this server "
+                             "unpickles nothing; send it to a real SGLang server")
 FLOATS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
           "repetition_penalty": 1.0}
 INTS = {"max_new_tokens": 128, "top_k": -1, "min_new_tokens": 0, "n": 1, "stream_interval": 1, "sampling_seed": None}
@@ -137,6 +141,7 @@ def parse_sampling(sp: Any) -> dict:
     _expect(isinstance(bias, dict), bias, "a map", "logit_bias")
     out["logit_bias"] = _logit_bias(bias)
     out["stop"], out["stop_token_ids"] = [s for s in stop if s], set(ids)
+    out["custom_params"] = sp.get("custom_params")  # any JSON (SGLang's schema: Optional[Any]), passed through
     _check_values(out)
     return out
 
@@ -219,11 +224,15 @@ def _per_prompt(body: dict, key: str, i: int) -> Any:
 
 
 def parse_generate(body: dict, prompts: list[list[int]], is_batch: bool, lim: GenerateLimits,
-                   routed_experts_enabled: bool = False) -> list[tuple[GenRequest, Options]]:
+                   routed_experts_enabled: bool = False,
+                   custom_logit_processor_enabled: bool = False) -> list[tuple[GenRequest, Options]]:
     """A /generate body with its prompts tokenized -> one (request, options) per prompt and sample (i * n + j)."""
     for k in TOP_NOT_IMPLEMENTED:
         if body.get(k) not in (None, False, [], {}):
             raise ValueRejected(f"{k} is not supported by the embedded server")
+    clp = body.get("custom_logit_processor")
+    if clp not in (None, "", []) and not (isinstance(clp, list) and all(x in (None, "") for x in clp)):
+        raise ValueRejected(CUSTOM_LOGIT_PROCESSOR_ON if custom_logit_processor_enabled else CUSTOM_LOGIT_PROCESSOR_OFF)
     sps = body.get("sampling_params")
     if isinstance(sps, list) and len(sps) != len(prompts):
         raise ValueRejected(f"{len(sps)} sampling_params for {len(prompts)} prompts")
@@ -281,7 +290,8 @@ def _one(body: dict, i: int, ids: list[int], sp: dict, rid: str, lim: GenerateLi
                    skip_special_tokens=sp["skip_special_tokens"],
                    spaces_between_special_tokens=sp["spaces_between_special_tokens"], no_stop_trim=sp["no_stop_trim"],
                    stream_interval=sp["stream_interval"],
-                   routed_experts_start_len=_top_int(body, "routed_experts_start_len", 0))
+                   routed_experts_start_len=_top_int(body, "routed_experts_start_len", 0),
+                   extra={"custom_params": sp["custom_params"]} if sp["custom_params"] is not None else {})
     return req, opts
 
 

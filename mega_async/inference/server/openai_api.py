@@ -45,13 +45,26 @@ class OpenAIEndpoints:
 
     def register(self, r: web.UrlDispatcher) -> None:
         r.add_get("/v1/models", self.models)
+        r.add_get("/v1/models/{model:.+}", self.retrieve_model)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/chat/completions", self.chat)
 
+    def model_card(self, model_id: str) -> dict:
+        """SGLang's ModelCard."""
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+                "root": model_id, "parent": None, "max_model_len": self.s.max_context}
+
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [
-            {"id": self.s.served_model_name, "object": "model", "created": 0, "owned_by": "sglang",
-             "root": self.s.model_path, "max_model_len": self.s.max_context}]})
+        return web.json_response({"object": "list", "data": [self.model_card(self.s.served_model_name)]})
+
+    async def retrieve_model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model} (the openai client's models.retrieve): the served model's card, else SGLang's 404."""
+        model = request.match_info["model"]
+        if model != self.s.served_model_name:
+            return web.json_response({"error": {"message": f"The model '{model}' does not exist",
+                                                "type": "invalid_request_error", "param": "model",
+                                                "code": "model_not_found"}}, status=404)
+        return web.json_response(self.model_card(model))
 
     # ---- request mapping ---------------------------------------------------------------------
     def _generate_body(self, req: dict, prompts: list[list[int]], chat: bool) -> dict:
@@ -73,6 +86,8 @@ class OpenAIEndpoints:
             sp["sampling_seed"] = req["seed"]
         if req.get("logit_bias"):
             sp["logit_bias"] = req["logit_bias"]
+        if req.get("custom_params") is not None:  # SGLang's extension, passed through to sampling_params
+            sp["custom_params"] = req["custom_params"]
         if chat:
             want_lp, top = bool(req.get("logprobs")), req.get("top_logprobs") or 0
         else:
@@ -82,6 +97,8 @@ class OpenAIEndpoints:
                 "return_routed_experts": bool(req.get("return_routed_experts"))}
         if req.get("rid") is not None:
             body["rid"] = req["rid"]
+        if req.get("custom_logit_processor") is not None:  # refused as /generate refuses it
+            body["custom_logit_processor"] = req["custom_logit_processor"]
         return body
 
     async def _chat_prompt(self, req: dict) -> list[int]:

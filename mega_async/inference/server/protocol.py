@@ -214,6 +214,8 @@ REQUEST_MODELS: dict[str, dict[str, tuple[Any, Any]]] = {
                        "abort_message": (optional(lax_str), None)},
     "/release_memory_occupation": {**_BASE, "tags": (optional(list_of(lax_str)), None)},
     "/resume_memory_occupation": {**_BASE, "tags": (optional(list_of(lax_str)), None)},
+    "/post_process_weights": {**_BASE, "restore_weights_before_load": (lax_bool, False),
+                              "post_process_quantization": (lax_bool, False)},
     "/rollback_weights": dict(_BASE),  # this server's addition
 }
 
