@@ -36,9 +36,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--enable-return-routed-experts", action="store_true",
                    help="record each MoE router's top-k per token so /generate may ask return_routed_experts")
     p.add_argument("--disable-radix-cache", action="store_true",
-                   help="no prefix cache (every prompt is prefilled, cached_tokens is always 0)")
+                   help="no radix cache (every prompt is prefilled, cached_tokens is always 0)")
     p.add_argument("--prefix-cache-tokens", type=int, default=1 << 16,
-                   help="token budget of the prefix cache that lets a GRPO group share one prefill (LRU)")
+                   help="token budget of the radix cache (LRU leaves evicted beyond it; SGLang has none of its "
+                        "own: its tree lives in the KV pool, --max-total-tokens)")
     p.add_argument("--served-model-name", default=None, help="model id of /v1/models (default: the model path)")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="report enable_memory_saver as SGLang does when started with it (colocated runs); "
