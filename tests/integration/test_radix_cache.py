@@ -114,6 +114,23 @@ def test_prompt_logprobs_from_a_cached_prefix(radix_server, hf_models):
     assert generate(radix_server, ids, return_logprob=True, logprob_start_len=0)["meta_info"]["cached_tokens"] == 0
 
 
+def test_prefill_only_scoring_uses_and_fills_the_tree(radix_server, hf_models):
+    """max_new_tokens 0 (scoring) is a prefill like any other in SGLang: it matches (up to logprob_start_len)
+    and its prompt goes into the tree, so a later request on that prompt finds it."""
+    ids = BASE[400:520]
+    body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}
+    st, out = post(radix_server, "/generate", body)
+    assert st == 200 and out["meta_info"]["cached_tokens"] == 0 and out["output_ids"] == []
+    st, out = post(radix_server, "/generate", {**body, "logprob_start_len": 50})
+    assert st == 200 and out["meta_info"]["cached_tokens"] == 50
+    inp = out["meta_info"]["input_token_logprobs"]
+    with torch.no_grad():
+        logits = hf_models["v0"](torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[50:-1].gather(1, torch.tensor(ids[51:])[:, None]).squeeze(1)
+    assert inp[0][0] is None and torch.allclose(torch.tensor([x[0] for x in inp[1:]]), ref, atol=1e-4)
+    assert generate(radix_server, ids)["meta_info"]["cached_tokens"] == len(ids) - 1
+
+
 def test_group_samples_all_join_from_one_warmup(radix_server, hf_models):
     """n samples of one prompt: one warm-up prefill, then every sample reports len - 1 cached (as SGLang,
     which prefills the prompt with max_new_tokens=0 before the samples), with the model's logprobs."""

@@ -164,31 +164,17 @@ class GenerationEngine:
                 self._score(reqs)
             except Exception as e:  # noqa: BLE001 - answered like a failed engine step: aborted, serving on
                 logger.exception("scoring %d prefill-only requests failed", len(reqs))
+                self.prefix_cache.reset()  # a step that failed midway may have left it half-updated
                 for r in reqs:
                     if r.finish_reason is None:
                         self._finish(r, {"type": "abort", "message": f"engine error: {e}"})
 
         return self.run_command(run)
 
-    @torch.no_grad()
     def _score(self, reqs: list[GenRequest]) -> None:
-        lengths = [len(r.input_ids) for r in reqs]
-        L, dev = max(lengths), self.device
-        ids = torch.tensor([[0] * (L - n) + r.input_ids for r, n in zip(reqs, lengths)], device=dev)
-        mask = torch.tensor([[0] * (L - n) + [1] * n for n in lengths], device=dev)
-        routing = self.routes is not None and any(r.return_routed_experts for r in reqs)
-        if routing:
-            self.routes.start()
-        logits = self.model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-                            use_cache=False).logits
-        routes = self.routes.take(len(reqs), L) if routing else None
-        for i, (r, n) in enumerate(zip(reqs, lengths)):
-            if routes is not None and r.return_routed_experts:
-                r.routes = [routes[i, L - n:]]
-            if r.logprob_start_len >= 0:
-                self._prompt_logprobs(r, logits[i, L - n:].float())
-            r.prefilled = True
-            self._finish(r, {"type": "length", "length": 0})
+        """Prefill-only requests go through the prefill path (matched in the radix cache, their KV inserted,
+        as SGLang's), which finishes them without sampling."""
+        self._start([(r, self._match(r) if self.prefix_cache.enabled else None) for r in reqs])
 
     def pause(self, mode: str) -> concurrent.futures.Future:
         """Pause on the engine thread: abort answers every request; retract drops their KV and requeues them
@@ -341,7 +327,7 @@ class GenerationEngine:
     def _joins(r: GenRequest, m: Optional[Match]) -> bool:
         """All but the last token cached and nothing else to compute: the row joins the batch mid-decode."""
         prompt_lp = r.logprob_start_len >= 0 and not r.prefilled
-        return m is not None and 0 < m.length == len(r.seq) - 1 and not prompt_lp
+        return m is not None and 0 < m.length == len(r.seq) - 1 and not prompt_lp and r.max_new_tokens > 0
 
     def _start(self, items: list[tuple[GenRequest, Optional[Match]]], warm: list[tuple[int, ...]] = ()) -> None:
         """Admit requests with their tree matches: lock the matched paths, count cached_tokens (once, at the
@@ -413,23 +399,29 @@ class GenerationEngine:
                 self._prompt_logprobs(r, out.logits[i, E - new[i]:].float(), pre[i])
             r.prefilled = True
         self._checkpoint(reqs, seqs, out.cache, mask)
-        if not reqs:
+        for r in reqs:
+            if r.max_new_tokens == 0:  # SGLang's prefill-only request (scoring): nothing is sampled
+                self._release(r, None)
+                self._finish(r, {"type": "length", "length": 0})
+        gen = [i for i, r in enumerate(reqs) if r.max_new_tokens > 0]
+        if not gen:
             return
-        toks, lps = self._sample(out.logits[:len(reqs), -1].float(), reqs)
+        toks, lps = self._sample(out.logits[gen, -1].float(), [reqs[i] for i in gen])
         keep = []
-        for i, r in enumerate(reqs):
-            self._append(r, int(toks[i]), float(lps[i]))
-            if not self._check_finished(r, None):  # finished: its KV (the prompt) is in the tree already
-                keep.append(i)
+        for j, i in enumerate(gen):
+            self._append(reqs[i], int(toks[j]), float(lps[j]))
+            if not self._check_finished(reqs[i], None):  # finished: its KV (the prompt) is in the tree already
+                keep.append(j)
         if not keep:
             return
-        idx = torch.tensor(keep, device=dev)
+        rows = [gen[j] for j in keep]
+        idx = torch.tensor(rows, device=dev)
         mask = mask[idx]
         trim = int((mask.sum(0) == 0).long().cumprod(0).sum())  # all-padding columns on the left
         for layer in out.cache.layers:
             layer.keys, layer.values = layer.keys[idx, :, trim:], layer.values[idx, :, trim:]
-        self._merge([reqs[i] for i in keep], out.cache, mask[:, trim:],
-                    torch.tensor([len(seqs[i]) for i in keep], device=dev), toks[idx])
+        self._merge([reqs[i] for i in rows], out.cache, mask[:, trim:],
+                    torch.tensor([len(seqs[i]) for i in rows], device=dev), toks[torch.tensor(keep, device=dev)])
 
     def _checkpoint(self, reqs: list[GenRequest], seqs: list[list[int]], cache: Any, mask: torch.Tensor) -> None:
         """Insert every prefilled row's KV into the tree; a request's lock moves to the path it inserted."""
