@@ -165,3 +165,12 @@ def test_stack_prefixes_and_row_source():
     mask = torch.tensor([[1, 1, 1], [0, 0, 0], [0, 0, 1]])
     assert row_source(Cache(), mask, 0)(1, 3)[0][0].view(-1).tolist() == [2, 3]
     assert row_source(Cache(), mask, 2)(0, 1)[0][1].view(-1).tolist() == [-4]
+
+
+def test_reset_frees_the_kv_a_stale_lock_still_points_at():
+    t = RadixCache(100)
+    t.insert([1, 2, 3], src([1, 2, 3]))
+    node = t.match_prefix([1, 2, 3]).node
+    lock = t.lock(node)
+    t.reset()
+    assert node.kv is None and lock.node is node  # the running request's old path holds no tensors

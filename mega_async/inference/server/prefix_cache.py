@@ -117,6 +117,11 @@ class RadixCache:
 
     def reset(self) -> None:
         """Drop everything (the KV no longer matches the weights); outstanding locks become stale."""
+        stack = [self.root] if hasattr(self, "root") else []
+        while stack:  # free the old KV now: a stale lock still pins its node objects until its request ends
+            node = stack.pop()
+            stack.extend(node.children.values())
+            node.kv, node.children = None, {}
         self.root = Node()
         self.root.lock_ref = 1
         self._total = self._protected = self._nodes = 0
