@@ -206,6 +206,9 @@ def test_frameworks_request_shapes_are_accepted_as_sglang_does(server):
     st, si = get(addr, "/server_info")
     assert si["enable_memory_saver"] is False and si["enable_custom_logit_processor"] is False  # as started
 
+    st, out = post(addr, "/v1/completions", {"model": "m", "prompt": PROMPT, "max_tokens": "3", "temperature": "0",
+                                             "logprobs": "1", "stream": "false"})  # OpenAI models coerce too
+    assert st == 200 and len(out["choices"][0]["logprobs"]["tokens"]) == 3, out
     st, _ = post(addr, "/abort_request", {})  # SGLang ignores an abort naming nothing (old: 400)
     assert st == 200
     st, out = post(addr, "/pause_generation", {"mode": "later"})

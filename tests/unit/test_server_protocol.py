@@ -181,3 +181,14 @@ def test_areal_and_slime_control_bodies_validate_as_sglang():
         with pytest.raises(BadRequest) as e:
             validate_request(path, body)
         assert needle in str(e.value), str(e.value)
+
+
+def test_openai_scalars_coerce_as_sglangs_pydantic_models():
+    from mega_async.inference.server.protocol import BadRequest, validate_openai
+
+    out = validate_openai("/v1/chat/completions", {"messages": [], "max_tokens": "8", "top_p": "0.9", "n": 2.0,
+                                                   "logprobs": "true", "stop_token_ids": ["7"]})
+    assert out == {"messages": [], "max_tokens": 8, "top_p": 0.9, "n": 2, "logprobs": True, "stop_token_ids": [7]}
+    assert validate_openai("/v1/completions", {"prompt": "x"}) == {"prompt": "x"}  # defaults stay the server's
+    with pytest.raises(BadRequest, match="temperature: Input should be a valid number, unable to parse string"):
+        validate_openai("/v1/completions", {"prompt": "x", "temperature": "warm"})

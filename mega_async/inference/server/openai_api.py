@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from aiohttp import web
 
 from mega_async.inference.server.generate_protocol import output_text
-from mega_async.inference.server.protocol import BadRequest, clean
+from mega_async.inference.server.protocol import BadRequest, clean, validate_openai
 
 if TYPE_CHECKING:
     from mega_async.inference.server.app import EmbeddedServer, Tracked
@@ -138,7 +138,7 @@ class OpenAIEndpoints:
 
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
-            req = await self.s._dict_body(request)
+            req = validate_openai(request.path, await self.s._dict_body(request))
             prompts = [await self._chat_prompt(req)] if chat else await self._completion_prompts(req)
             body = self._generate_body(req, prompts, chat)
             reqs, _ = await self.s.prepare(body)

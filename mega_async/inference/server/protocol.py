@@ -122,6 +122,20 @@ def lax_bool(v: Any) -> bool:
     raise FieldError("Input should be a valid boolean")
 
 
+_FLOAT_TEXT = re.compile(r"[+-]?(?:(?:[0-9]+(?:_[0-9]+)*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|[+-]?(?:inf|infinity|nan)",
+                         re.IGNORECASE)
+
+
+def lax_float(v: Any) -> float:
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str) and _FLOAT_TEXT.fullmatch(v.strip()):
+        return float(v.strip())
+    if isinstance(v, str):
+        raise FieldError("Input should be a valid number, unable to parse string as a number")
+    raise FieldError("Input should be a valid number")
+
+
 def lax_str(v: Any) -> str:
     if not isinstance(v, str):
         raise FieldError("Input should be a valid string")
@@ -164,15 +178,17 @@ def literal(*values: str) -> Any:
     return check
 
 
-def validate_model(body: dict, fields: dict[str, tuple[Any, Any]]) -> dict:
-    """The body with each model field coerced as SGLang's pydantic validation does and its default filled in;
-    keys outside the model are kept as sent (SGLang ignores them; some are this server's extensions)."""
+def validate_model(body: dict, fields: dict[str, tuple[Any, Any]], fill_defaults: bool = True) -> dict:
+    """The body with each model field coerced as SGLang's pydantic validation does and its default filled in
+    (unless not `fill_defaults`); keys outside the model are kept as sent (SGLang ignores them; some are this
+    server's extensions)."""
     out = dict(body)
     for key, (kind, default) in fields.items():
         if key not in body:
             if default is REQUIRED:
                 raise BadRequest(f"{key}: Field required")
-            out[key] = default
+            if fill_defaults:
+                out[key] = default
             continue
         try:
             out[key] = kind(body[key])
@@ -218,6 +234,34 @@ REQUEST_MODELS: dict[str, dict[str, tuple[Any, Any]]] = {
                               "post_process_quantization": (lax_bool, False)},
     "/rollback_weights": dict(_BASE),  # this server's addition
 }
+
+
+# The scalar fields of SGLang's OpenAI CompletionRequest / ChatCompletionRequest (entrypoints/openai/protocol.py)
+# that this server reads; coerced where sent (their defaults are the server's own)
+_OPENAI_COMMON = {
+    "n": (lax_int, 1), "frequency_penalty": (lax_float, 0.0), "presence_penalty": (lax_float, 0.0),
+    "seed": (optional(lax_int), None), "stream": (lax_bool, False), "min_tokens": (lax_int, 0),
+    "stop_token_ids": (optional(list_of(lax_int)), None), "no_stop_trim": (lax_bool, False),
+    "ignore_eos": (lax_bool, False), "skip_special_tokens": (lax_bool, True), "return_token_ids": (lax_bool, False),
+    "return_routed_experts": (lax_bool, False), "custom_params": (optional(lax_dict), None)}
+OPENAI_MODELS: dict[str, dict[str, tuple[Any, Any]]] = {
+    "/v1/completions": {
+        **_OPENAI_COMMON, "max_tokens": (lax_int, 16), "temperature": (lax_float, 1.0), "top_p": (lax_float, 1.0),
+        "top_k": (lax_int, -1), "min_p": (lax_float, 0.0), "repetition_penalty": (lax_float, 1.0),
+        "logprobs": (optional(lax_int), None), "best_of": (optional(lax_int), None), "echo": (lax_bool, False)},
+    "/v1/chat/completions": {
+        **_OPENAI_COMMON, "max_tokens": (optional(lax_int), None), "max_completion_tokens": (optional(lax_int), None),
+        "temperature": (optional(lax_float), None), "top_p": (optional(lax_float), None),
+        "top_k": (optional(lax_int), None), "min_p": (optional(lax_float), None),
+        "repetition_penalty": (optional(lax_float), None), "logprobs": (lax_bool, False),
+        "top_logprobs": (optional(lax_int), None), "return_prompt_token_ids": (lax_bool, False),
+        "return_meta_info": (lax_bool, False)},
+}
+
+
+def validate_openai(path: str, body: dict) -> dict:
+    """An OpenAI request's scalar fields coerced as SGLang's pydantic models coerce them (as sent, no defaults)."""
+    return validate_model(body, OPENAI_MODELS[path], fill_defaults=False)
 
 
 def validate_request(path: str, body: Any) -> Any:
