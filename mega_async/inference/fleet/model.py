@@ -1,0 +1,131 @@
+"""The simulated model of a fleet server: how long a request runs and what it answers. Pure, no I/O, no torch.
+
+Lengths are long-tailed as in RL runs (lognormal around `length_median`, capped at the request's
+max_new_tokens); a running request makes one token every `token_latency_s + batch_latency_s * b` seconds,
+b = the server's running batch. Token ids come from a seeded pool; each token's logprob encodes the weight
+version that produced it (`version_of_logprob`), so a client's per-token version labels can be checked
+against what the server really did.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Optional
+
+POOL_SIZE = 1 << 16
+
+
+@dataclass
+class FleetConfig:
+    """One fleet's servers (all alike). Times in seconds; `time_scale` divides every latency."""
+
+    seed: int = 0
+    length_median: float = 256.0  # tokens (lognormal median)
+    length_sigma: float = 1.0  # lognormal sigma: 1.0 gives a long tail (p99 ~ 10x the median)
+    min_new_tokens: int = 1
+    token_latency_s: float = 0.02  # per token at batch size 1
+    batch_latency_s: float = 5e-5  # added per token for every running request of the server
+    ttft_s: float = 0.05  # prefill, counted once per admission (again after a retract)
+    max_running_requests: int = 256  # more wait in the server's queue, as SGLang's
+    vocab_size: int = 32000
+    sglang_version: str = "0.5.23"  # the release whose protocol is spoken (sessions since 0.5.21)
+    weight_version: str = "0"  # at start and after a restart (a restarted server has its launch weights)
+    load_s: float = 0.2  # /update_weights_from_disk (a timed no-op)
+    init_group_s: float = 0.01  # /init_weights_update_group (a timed no-op: no group is joined)
+    bucket_s: float = 0.001  # per /update_weights_from_distributed bucket, plus its bytes at bandwidth
+    bandwidth_gbps: float = 100.0  # GB/s of the simulated broadcast
+    pause_poll_s: float = 0.0  # SGLang 0.5.23's abort pause polls its lock every 1.0 s; 0 = answer at once
+    keepalive_s: float = 5.0  # idle keep-alive connections are closed after this (uvicorn's default)
+    data_plane: str = "none"  # no torch.distributed group is ever joined: weights are not received
+    api_key: Optional[str] = None
+    time_scale: float = 1.0  # >1 runs every latency that many times faster
+
+    def __post_init__(self) -> None:
+        problems = [f"{f}={getattr(self, f)!r} must be > 0" for f in ("length_median", "time_scale", "bandwidth_gbps")
+                    if not getattr(self, f) > 0]
+        problems += [f"{f}={getattr(self, f)!r} must be >= 0" for f in (
+            "length_sigma", "token_latency_s", "batch_latency_s", "ttft_s", "load_s", "init_group_s", "bucket_s",
+            "pause_poll_s") if not getattr(self, f) >= 0]
+        if self.max_running_requests < 1 or self.min_new_tokens < 0 or self.vocab_size < 2:
+            problems.append("max_running_requests >= 1, min_new_tokens >= 0 and vocab_size >= 2 are needed")
+        if self.token_latency_s + self.batch_latency_s <= 0:
+            problems.append("token_latency_s + batch_latency_s must be > 0 (tokens need time)")
+        if self.data_plane != "none":
+            problems.append(f"data_plane={self.data_plane!r}: the fleet has no data plane; use none")
+        if problems:
+            raise ValueError("FleetConfig: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "FleetConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"FleetConfig: unknown keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def seconds(self, s: float) -> float:
+        return s / self.time_scale
+
+
+def version_number(v: Any) -> int:
+    """A weight version as the integer the logprobs encode (non-numeric versions: a stable small hash)."""
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return sum(map(ord, str(v))) % 997
+
+
+def logprob_for(version: int, u: float) -> float:
+    """The logprob of a token made at `version` (u in [0, 1) gives it some spread)."""
+    return -(version + 0.25 + 0.5 * u)
+
+
+def version_of_logprob(lp: float) -> int:
+    """The version a fleet token's logprob encodes (inverse of `logprob_for`)."""
+    return int(math.floor(-lp))
+
+
+class TokenModel:
+    """Seeded token ids, logprob spreads and lengths, shared by every server of a process."""
+
+    def __init__(self, cfg: FleetConfig):
+        rng = random.Random(cfg.seed)
+        self.cfg = cfg
+        self.ids = [rng.randrange(cfg.vocab_size) for _ in range(POOL_SIZE)]
+        self.spread = [rng.random() for _ in range(POOL_SIZE)]
+        self._mu = math.log(cfg.length_median)
+
+    def length(self, key: int) -> int:
+        """Tokens a fresh request means to make before its stop token (lognormal, seeded by the prompt); a request
+        whose max_new_tokens is smaller finishes by length."""
+        rng = random.Random(key ^ (self.cfg.seed * 0x9E3779B97F4A7C15))
+        n = int(rng.lognormvariate(self._mu, self.cfg.length_sigma)) if self.cfg.length_sigma else int(
+            self.cfg.length_median)
+        return max(self.cfg.min_new_tokens, n, 1)
+
+    def offset(self, key: int) -> int:
+        return (key * 2654435761) % POOL_SIZE
+
+    def tokens(self, offset: int, n: int) -> list[int]:
+        o = offset % POOL_SIZE
+        if o + n <= POOL_SIZE:
+            return self.ids[o:o + n]
+        return [self.ids[(o + i) % POOL_SIZE] for i in range(n)]
+
+    def logprob_entries(self, offset: int, ids: list[int], versions: list[tuple[int, int, int]]) -> list[list]:
+        """SGLang's output_token_logprobs entries [logprob, token id, None] over spans (start, end, version)."""
+        out: list[list] = []
+        sp = self.spread
+        for a, b, v in versions:
+            base = v + 0.25
+            out += [[-(base + 0.5 * sp[(offset + i) % POOL_SIZE]), ids[i], None] for i in range(a, b)]
+        return out
+
+    def token_latency(self, batch: int, slow: float = 1.0) -> float:
+        """Seconds per token for each running request when `batch` run together."""
+        c = self.cfg
+        return c.seconds(c.token_latency_s + c.batch_latency_s * batch) * slow
