@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from mega_async.config import ConfigError, RunConfig, api_key, save_config
-from mega_async.data import load_rows, synthetic_items
+from mega_async.data import check_items, load_rows, synthetic_items
 from mega_async.evaluation import Evaluator
 from mega_async.events import EventLog, NullEventLog
 from mega_async.inference.service import InferenceService
@@ -42,7 +42,10 @@ def build_dataset(cfg: RunConfig, vocab_size: int) -> list[dict[str, Any]]:
 
         return load_gsm8k(d.path, d.split, eval_path=d.eval_path, eval_split=d.eval_split, chat=d.chat_template,
                           eval_size=d.eval_size if cfg.trainer.eval_interval else 0).train
-    return load_rows(d.path)  # type: ignore[arg-type]
+    rows = load_rows(d.path)  # type: ignore[arg-type]
+    if cfg.rollout.workflow in ("rlvr", "multi_turn"):  # a user's workflow reads its own row shape
+        check_items(rows, str(d.path), vocab_size)
+    return rows
 
 
 def check_inputs(cfg: RunConfig) -> None:

@@ -23,9 +23,40 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
         for n, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{p}:{n}: invalid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise ValueError(f"{p}:{n}: invalid JSON (nested deeper than the parser goes)") from None
+                except ValueError as e:  # an integer literal of more than sys.get_int_max_str_digits() digits
+                    raise ValueError(f"{p}:{n}: invalid JSON ({e})") from None
+                if not isinstance(row, dict):
+                    raise ValueError(f"{p}:{n}: a row must be a JSON object, got {type(row).__name__}")
+                rows.append(row)
+    return rows
+
+
+def check_items(rows: list[dict[str, Any]], where: str, vocab_size: int) -> list[dict[str, Any]]:
+    """Rows of a jsonl/parquet dataset for the rlvr and multi_turn workflows: each has `input_ids` (token ids in
+    [0, vocab_size)), a `prompt` string or `messages` (chat turns with a string role). ValueError (one line)
+    names the first row that has none of them or a malformed one."""
+    for i, r in enumerate(rows):
+        if "input_ids" in r:
+            ids = r["input_ids"]
+            if not (isinstance(ids, list) and ids and all(
+                    type(t) is int and 0 <= t < vocab_size for t in ids)):  # noqa: E721 - bool is no token id
+                raise ValueError(f"{where}: row {i}: input_ids must be a non-empty list of token ids in "
+                                 f"[0, {vocab_size})")
+        elif "messages" in r:
+            msgs = r["messages"]
+            if not (isinstance(msgs, list) and msgs and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs)):
+                raise ValueError(f"{where}: row {i}: messages must be a non-empty list of {{role, content}} objects")
+        elif "prompt" in r:
+            if not isinstance(r["prompt"], str):
+                raise ValueError(f"{where}: row {i}: prompt must be a string, got {type(r['prompt']).__name__}")
+        else:
+            raise ValueError(f"{where}: row {i} has no input_ids, prompt or messages (got {sorted(r)[:8]})")
     return rows
 
 

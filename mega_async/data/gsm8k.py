@@ -37,9 +37,12 @@ def to_item(row: dict[str, Any], chat: bool = True) -> dict[str, Any]:
 
 def _check(rows: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     for i, r in enumerate(rows):
-        if "question" not in r or "answer" not in r:
-            raise ValueError(f"{where}: row {i} lacks 'question'/'answer' (got {sorted(r)}); is this GSM8K?")
-        if "####" not in str(r["answer"]):
+        if not isinstance(r, dict) or "question" not in r or "answer" not in r:
+            got = sorted(r)[:8] if isinstance(r, dict) else type(r).__name__
+            raise ValueError(f"{where}: row {i} lacks 'question'/'answer' (got {got}); is this GSM8K?")
+        if not isinstance(r["question"], str) or not isinstance(r["answer"], str):
+            raise ValueError(f"{where}: row {i}: 'question' and 'answer' must be strings; is this GSM8K?")
+        if "####" not in r["answer"]:
             raise ValueError(f"{where}: row {i} answer has no '#### <number>' line; is this GSM8K?")
     return rows
 

@@ -201,9 +201,12 @@ class AgentWorkflow(RolloutWorkflow):
 
         async def completions(request: web.Request) -> web.Response:
             try:
-                body = await request.json()
+                try:
+                    body = await request.json()
+                except (ValueError, RecursionError) as e:  # bad JSON or UTF-8, nesting past the parser's depth
+                    raise BadRequest(f"invalid JSON body: {type(e).__name__}: {e}") from None
                 return web.json_response(await self.complete(session, body))
-            except (BadRequest, json.JSONDecodeError) as e:
+            except BadRequest as e:
                 return _error(400, str(e))
             except Exception as e:  # noqa: BLE001 - a generation failure fails the episode after the agent returns
                 session.error = session.error or e
@@ -283,7 +286,11 @@ class AgentWorkflow(RolloutWorkflow):
             raise BadRequest("messages: every message needs a role")
         ids = self.prompt_for(session, messages, **tpl)
         cap = self.sampling["max_new_tokens"]
-        n = min(int(body.get("max_completion_tokens") or body.get("max_tokens") or cap), cap)
+        try:
+            n = min(int(body.get("max_completion_tokens") or body.get("max_tokens") or cap), cap)
+            extra_stops = {int(s) for s in body.get("stop_token_ids") or []}
+        except (TypeError, ValueError):
+            raise BadRequest("max_tokens, max_completion_tokens and stop_token_ids take integers") from None
         if n < 1:
             raise BadRequest(f"max_tokens={n} must be >= 1")
         if self.max_context is not None and len(ids) + n > self.max_context:
@@ -292,7 +299,7 @@ class AgentWorkflow(RolloutWorkflow):
                     if k != "max_new_tokens"}
         routes = self.sampling["return_routed_experts"] or body.get("return_routed_experts")
         sampling["return_routed_experts"] = bool(routes)
-        stops = sorted(set(self.stop_token_ids) | {int(s) for s in body.get("stop_token_ids") or []})
+        stops = sorted(set(self.stop_token_ids) | extra_stops)
         req = ModelRequest(input_ids=ids, max_new_tokens=n, stop_token_ids=stops,
                            ignore_eos=bool(body.get("ignore_eos", False)), **sampling)
         if body.get("rid"):

@@ -142,6 +142,25 @@ def test_unsupported_requests_fail_loudly_and_engine_errors_fail_the_episode(tok
         AgentWorkflow(silent, None)
 
 
+def test_malformed_request_bodies_answer_400_and_the_episode_goes_on(tok):
+    import aiohttp
+
+    async def agent(client, data):
+        url = f"{client.base_url}chat/completions"
+        msgs = [{"role": "user", "content": "x"}]
+        async with aiohttp.ClientSession() as http:
+            for body in ("[" * 100_000, json.dumps({"messages": msgs, "max_tokens": "many"}),
+                         json.dumps({"messages": msgs, "stop_token_ids": [None]})):
+                async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+                    assert resp.status == 400, await resp.text()
+                    assert (await resp.json())["type"] == "BadRequestError"
+        r = await client.chat.completions.create(model="m", messages=msgs)
+        return float(r.choices[0].message.content == "ok")
+
+    eng = ScriptedEngine(tok, ["ok"])
+    assert asyncio.run(AgentWorkflow(agent, tok).arun_episode(eng, {}))["rewards"].tolist() == [1.0]
+
+
 def test_rewritten_history_starts_a_new_row(tok):
     async def agent(client, data):
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])

@@ -3,8 +3,13 @@ import json
 import random
 import re
 import time
+from pathlib import Path
+
+import pytest
 
 from mega_async.rollout.agent import parse_tool_calls, tool_call_spans
+
+ROOT = Path(__file__).resolve().parents[2]
 
 _OLD_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)  # the quadratic regex it replaces
 
@@ -55,3 +60,61 @@ def test_tool_call_json_nested_too_deep_is_left_in_the_content():
     assert parse_tool_calls(text) == (text, [])
     text = '<tool_call>{"name": 5}</tool_call>'  # OpenAI's function.name is a string
     assert parse_tool_calls(text) == (text, [])
+
+
+ROWS = [  # (jsonl line, what the one-line refusal says) for rows a dataset should not hold
+    ("[1, 2]", ":1: a row must be a JSON object, got list"),
+    ('"question answer ####"', ":1: a row must be a JSON object, got str"),
+    ("[" * 100_000, ":1: invalid JSON (nested deeper than the parser goes)"),  # was a RecursionError traceback
+    ('{"input_ids": [' + "9" * 5000 + "]}", ":1: invalid JSON (Exceeds the limit (4300 digits)"),
+]
+ITEMS = [  # rows the rlvr / multi_turn workflows cannot encode (each failed every episode before)
+    ('{"input_ids": ["x"]}', "row 0: input_ids must be a non-empty list of token ids in [0, 64)"),
+    ('{"input_ids": [64]}', "row 0: input_ids must be a non-empty list of token ids in [0, 64)"),
+    ('{"input_ids": [true]}', "row 0: input_ids must be a non-empty list of token ids in [0, 64)"),
+    ('{"messages": "hi"}', "row 0: messages must be a non-empty list of {role, content} objects"),
+    ('{"prompt": 5}', "row 0: prompt must be a string, got int"),
+    ('{"question": "q", "answer": "#### 1"}', "row 0 has no input_ids, prompt or messages"),
+]
+GSM8K_ROWS = [
+    ('5', ":1: a row must be a JSON object, got int"),  # was a TypeError traceback
+    ('{"question": {"a": 1}, "answer": ["####"]}', "row 0: 'question' and 'answer' must be strings"),
+]
+
+
+def _refusal(tmp_path, line, load):
+    path = tmp_path / "rows.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError) as e:
+        load(path)
+    return str(e.value)
+
+
+def test_malformed_dataset_rows_are_refused_in_one_line(tmp_path):
+    from mega_async.data import check_items, load_rows
+    from mega_async.data.gsm8k import load_gsm8k
+
+    for line, expect in ROWS:
+        msg = _refusal(tmp_path, line, load_rows)
+        assert expect in msg and "\n" not in msg and str(tmp_path) in msg, msg
+    for line, expect in ITEMS:
+        msg = _refusal(tmp_path, line, lambda p: check_items(load_rows(p), str(p), 64))
+        assert expect in msg and "\n" not in msg, msg
+    for line, expect in GSM8K_ROWS:
+        msg = _refusal(tmp_path, line, lambda p: load_gsm8k(str(p)))
+        assert expect in msg and "\n" not in msg, msg
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"input_ids": [1, 63]}\n{"prompt": "p"}\n{"messages": [{"role": "user", "content": "c"}]}\n')
+    assert len(check_items(load_rows(good), str(good), 64)) == 3
+
+
+def test_the_run_refuses_them_before_it_starts(tmp_path):
+    from mega_async.config import ConfigError, load_config
+    from mega_async.loop import check_inputs
+
+    path = tmp_path / "rows.jsonl"
+    path.write_text('{"input_ids": [1, 2]}\n{"input_ids": [1000000]}\n')
+    cfg = load_config(str(ROOT / "configs" / "tiny_cpu.yaml"), ["data.name=jsonl", f"data.path={path}", "data.reward=synthetic",
+                                                             f"model.path={ROOT / 'models' / 'tiny-qwen3-moe'}"])
+    with pytest.raises(ConfigError, match=r"row 1: input_ids must be a non-empty list of token ids in \[0, "):
+        check_inputs(cfg)
