@@ -641,7 +641,8 @@ class DistributedWeightSync(WeightSync):
 
     def _commit(self, target: int) -> Optional[str]:
         """Every stage streamed: an empty update sets the new version on the servers (SGLang sets
-        weight_version only on success), so a failed sync never leaves a server claiming the new one."""
+        weight_version only on success), so a failed sync never leaves a server claiming the new one. It also
+        flushes the cache, once per sync (the buckets do not: the servers are paused in between)."""
         if self.rollout is not None and self.pg is not None:
             self._loop.run(self.client.update_weights_from_distributed([], [], [], self.group_name, version=target,
                                                                        flush_cache=self.flush_cache,
@@ -684,7 +685,7 @@ class DistributedWeightSync(WeightSync):
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
         fut = self._loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
             [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order], [bucket.shapes[i] for i in order],
-            self.group_name, load_format=fmt, timeout=self.timeout, flush_cache=self.flush_cache))
+            self.group_name, load_format=fmt, timeout=self.timeout, flush_cache=False))  # the commit flushes once
         works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
         stats["bucket_s"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes
