@@ -189,7 +189,9 @@ def _close_all() -> None:
         pool.close()
 
 
-def _forget_in_child() -> None:  # a forked child must not use (or kill) its parent's workers
+def _forget_in_child() -> None:  # a forked child must not use (or kill) its parent's workers or spawner thread
+    global _SPAWNER, _SPAWNER_LOCK
+    _SPAWNER, _SPAWNER_LOCK = None, threading.Lock()
     for pool in list(_LIVE):
         pool._idle, pool._count, pool._cv = [], 0, threading.Condition()
 

@@ -1,5 +1,6 @@
 """WorkerPool: calls that hang inside one C call (holding the GIL) are killed; workers never outlive the trainer."""
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -100,3 +101,32 @@ def test_workers_die_with_the_trainer(how):
     while not all(map(_gone, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(map(_gone, pids)), [p for p in pids if not _gone(p)]
+
+
+def test_a_forked_child_starts_its_own_workers():
+    pool = WorkerPool("math:factorial", timeout=5.0, max_workers=1)
+    try:
+        assert pool.call(3) == 6
+        parent_worker = pool._idle[0].proc.pid
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: the parent's spawner thread does not exist here
+            ok = False
+            try:
+                ok = pool.call(4) == 24 and pool._idle[0].proc.pid != parent_worker
+                pool.close()
+            finally:
+                os.write(w, b"1" if ok else b"0")
+                os._exit(0)
+        os.close(w)
+        deadline = time.monotonic() + 30
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:  # before: its call waited for ever on a spawner thread it lacks
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the forked child's call did not return")
+            time.sleep(0.05)
+        assert os.read(r, 1) == b"1"
+        assert pool.call(5) == 120 and pool._idle[0].proc.pid == parent_worker  # the parent's is untouched
+    finally:
+        pool.close()
