@@ -6,7 +6,6 @@
         rng/rank<R>.pt    Python and torch RNG states of every trainer rank
         rollout.pt        rank 0: dataset position, staleness counters, every rollout waiting, running (tokens,
                           logprobs, versions so far) or finished and not consumed; ledger and metrics sizes
-
         manifest.json     size and sha256 of every other file, written last, checked first
 
 Files read back are untrusted (mega_async.safe_load): the distributed checkpoint's pickled `.metadata` goes

@@ -124,7 +124,10 @@ def verify_manifest(ckpt: str | Path) -> bool:
     for rel in sorted(present - set(files)):
         raise CheckpointError(f"{d / rel}: not in {MANIFEST} (not written with this checkpoint); remove it")
     for rel, want in sorted(files.items()):
-        size = (d / rel).stat().st_size
+        st = (d / rel).lstat()
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{d / rel}: not a regular file (a link or special file); {fix}")
+        size = st.st_size
         if size != want["size"]:
             raise CheckpointError(f"{d / rel}: {size} bytes, {MANIFEST} says {want['size']} (truncated or changed "
                                   f"since it was written); {fix}")
@@ -266,6 +269,14 @@ def _check_rollout(path: Path, cfg: Any) -> None:
     ok = ok and all(isinstance(e, dict) and e.get("state") in ("done", "running", "waiting")
                     and (e["state"] == "waiting" or isinstance(e.get("head"), int))
                     and isinstance(e.get("journal"), list) for e in ex["episodes"])
+    if ok:  # a running episode continues from its journal: it must restore as the executor will
+        from mega_async.rollout.journal import EpisodeJournal
+
+        try:
+            for e in ex["episodes"]:
+                EpisodeJournal.restore(e["journal"])
+        except (KeyError, TypeError, ValueError, AttributeError, RuntimeError):
+            ok = False
     if not ok:
         raise CheckpointError(f"{path}: not the rollout state of a run (executor episodes, dataset position); "
                               f"{_fix(path.parent)}")
@@ -285,8 +296,8 @@ def _check_rng(ckpt: Path, world: int) -> None:
         st = safe_torch_load(p)
         import torch
 
-        if not (isinstance(st, dict) and isinstance(st.get("python"), (tuple, list)) and torch.is_tensor(st.get("torch"))
-                and st["torch"].dtype == torch.uint8):
+        if not (isinstance(st, dict) and isinstance(st.get("python"), (tuple, list))
+                and torch.is_tensor(st.get("torch")) and st["torch"].dtype == torch.uint8):
             raise CheckpointError(f"{p}: not an RNG state (python, torch); {_fix(ckpt)}")
 
 
@@ -298,7 +309,8 @@ def check_model_dir(model_dir: str | Path) -> None:
     if not d.is_dir() or d.is_symlink():
         raise CheckpointError(f"{d}: missing or not a folder (the model and optimizer); {fix}")
     cfgj = read_json(d / "metadata.json", "distributed checkpoint's format", fix)
-    if not isinstance(cfgj, dict) or cfgj.get("sharded_backend") != "torch_dist" or cfgj.get("common_backend") != "torch":
+    if not isinstance(cfgj, dict) or cfgj.get("sharded_backend") != "torch_dist" \
+            or cfgj.get("common_backend") != "torch":
         raise CheckpointError(f"{d / 'metadata.json'}: format {cfgj!r}; only Megatron's torch_dist checkpoints are "
                               f"read; {fix}")
     meta = read_dist_metadata(d / ".metadata")

@@ -22,7 +22,7 @@ from mega_async.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["trainer.save_interval=1", "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16",
-        "logging.tensorboard=false", "trainer.verify_sync=false", "trainer.weight_sync=disk"]
+        "logging.tensorboard=false", "trainer.verify_sync=false", "trainer.weight_sync=disk", "trainer.warmup_steps=0"]
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -112,18 +112,26 @@ ROWS = {
     "metrics-symlink": (lambda run, ck: ((run / "metrics.jsonl").rename(run.parent / "m.jsonl"),
                                          os.symlink(run.parent / "m.jsonl", run / "metrics.jsonl")),
                         r"metrics\.jsonl: is a symbolic link"),
-    "checkpoint-symlink": (lambda run, ck: (shutil.move(ck, run.parent / "moved"), os.symlink(run.parent / "moved", ck)),
-                           r"step_00000001: is a symbolic link"),
+    "checkpoint-symlink": (lambda run, ck: (shutil.move(ck, run.parent / "moved"),
+                                            os.symlink(run.parent / "moved", ck)), r"step_00000001: is a symbolic link"),
 }
 
 
-def check_refused(r: subprocess.CompletedProcess, run: Path, pattern: str) -> str:
+def resume(finished, trial: str, *extra: str, model=None) -> tuple[subprocess.CompletedProcess, str]:
+    """`mega-async train --resume` of the copy `trial`; returns the result and what it added to train.log."""
+    log = finished[0] / "tiny_cpu" / trial / "train.log"
+    before = log.stat().st_size if log.exists() else 0
+    r = train(finished[0], model or finished[1], "trainer.total_steps=3", *extra, trial=trial, resume=True)
+    return r, (log.read_bytes()[before:].decode(errors="replace") if log.exists() else "")
+
+
+def check_refused(result: tuple[subprocess.CompletedProcess, str], pattern: str) -> str:
+    r, log = result
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2, r.stderr[-3000:]
     assert last.startswith("mega-async train: CheckpointError: ") and re.search(pattern, last), last
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    log = run / "train.log"
-    assert not log.exists() or "starting server" not in log.read_text()  # nothing started
+    assert "starting server" not in log, log[-3000:]  # nothing started
     return last
 
 
@@ -132,33 +140,29 @@ def test_damaged_checkpoint_is_refused_in_one_line(finished, row):
     damage, pattern = ROWS[row]
     run, ck = copy_run(finished, row)
     damage(run, ck)
-    check_refused(train(finished[0], finished[1], "trainer.total_steps=3", trial=row, resume=True), run, pattern)
+    check_refused(resume(finished, row), pattern)
 
 
 def test_nan_weights_are_refused_when_read_before_any_server_starts(finished):
     run, ck = copy_run(finished, "nan")
     rel, key = nan_in_a_weight(ck)
-    r = train(finished[0], finished[1], "trainer.total_steps=3", trial="nan", resume=True)
-    check_refused(r, run, rf"model/{re.escape(rel)}: {re.escape(key)} holds NaN or inf values")
+    check_refused(resume(finished, "nan"), rf"model/{re.escape(rel)}: {re.escape(key)} holds NaN or inf values")
 
 
 def test_another_model_or_batch_size(finished, tmp_path):
-    run, ck = copy_run(finished, "other")
-    r = train(finished[0], other_card(tmp_path, finished[1]), "trainer.total_steps=3", trial="other", resume=True)
-    check_refused(r, run, r"trainer\.json: the checkpoint is of another model \(intermediate_size=")
-    r = train(finished[0], finished[1], "trainer.total_steps=3", "rollout.consumer_batch_size=8", trial="other",
-              resume=True)
-    check_refused(r, run, r"rollout\.consumer_batch_size=4, this config has 8; .*trainer\.resume_override")
-    r = train(finished[0], finished[1], "trainer.total_steps=2", "data.synthetic_target=9", trial="other", resume=True)
-    check_refused(r, run, r"data\.synthetic_target=7, this config has 9")
+    copy_run(finished, "other")
+    check_refused(resume(finished, "other", model=other_card(tmp_path, finished[1])),
+                  r"trainer\.json: the checkpoint is of another model \(intermediate_size=")
+    check_refused(resume(finished, "other", "rollout.consumer_batch_size=8"),
+                  r"rollout\.consumer_batch_size=4, this config has 8; .*trainer\.resume_override")
+    check_refused(resume(finished, "other", "data.synthetic_target=9"), r"data\.synthetic_target=7, this config has 9")
 
 
 def test_intact_copy_resumes_with_an_override_and_logs_it(finished):
     run, ck = copy_run(finished, "intact")
-    r = train(finished[0], finished[1], "trainer.total_steps=3", "rollout.consumer_batch_size=8",
-              "trainer.resume_override=[rollout.consumer_batch_size]", trial="intact", resume=True)
+    r, log = resume(finished, "intact", "rollout.consumer_batch_size=8",
+                    "trainer.resume_override=[rollout.consumer_batch_size]")
     assert r.returncode == 0, r.stderr[-3000:]
-    log = (run / "train.log").read_text()
     assert "with rollout.consumer_batch_size=8 (the checkpoint's run had 4): trainer.resume_override allows it" in log
     took = re.search(r"checkpoint \S+step_00000001 checked in ([\d.]+)s \(manifest, sizes and sha256\)", log)
     assert took, log[-3000:]

@@ -57,9 +57,14 @@ def save_model_dir(d: Path, weight: torch.Tensor | None = None) -> Path:
 
 def rollout_state(seed: int) -> dict:
     """What RolloutOwner.snapshot saves: executor episodes, dataset position, reward counters."""
+    from mega_async.rollout.journal import CallRecord
+    from mega_async.types import ModelResponse
+
     ep = {"tag": 0, "data": {"index": 3}, "head": 2, "state": "done", "journal": [],
           "result": {"input_ids": torch.ones(2, 5, dtype=torch.long), "rewards": torch.zeros(2)}}
-    return {"executor": {"episodes": [ep, {**ep, "state": "waiting", "head": None, "result": None}],
+    part = CallRecord([1, 2, 3], 16, ModelResponse([1, 2, 3], [7, 8], [-0.5, -0.25], [2, 3], "abort")).snapshot()
+    running = {**ep, "tag": 1, "state": "running", "journal": [part], "result": None}
+    return {"executor": {"episodes": [ep, running, {**ep, "state": "waiting", "head": None, "result": None}],
                          "counts": {"accepted": 12}, "batches_out": 3, "staleness": {}, "accept": None},
             "loader": {"epoch": 0, "position": 14, "seed": seed, "size": 1024, "shuffle": 1},
             "rewards": {"sum": 1.0, "count": 12}}

@@ -17,8 +17,8 @@ from mega_async.checkpoint import CheckpointError, checked_resume_point, latest_
 from mega_async.checkpoint_check import MANIFEST, validate_checkpoint, verify_manifest, write_manifest
 from mega_async.config import load_config
 from mega_async.safe_load import dist_load
-from tests.unit.checkpoint_builder import (EXTRA, TINY, WEIGHT, one_rank_group, save_model_dir, sharded_state_dict,
-                                           write_run_checkpoint)
+from tests.unit.checkpoint_builder import (EXTRA, TINY, WEIGHT, one_rank_group, rollout_state, save_model_dir,
+                                           sharded_state_dict, write_run_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +111,11 @@ def test_truncated_torch_files(run, rel):
 def test_rollout_pt_of_something_else(run):
     cfg, ck = run
     torch.save({"x": 1}, ck / "rollout.pt")
+    write_manifest(ck)
+    refused(cfg, r"rollout\.pt: not the rollout state of a run")
+    state = rollout_state(cfg.seed)
+    state["executor"]["episodes"][0].update(state="running", journal=[{"input_ids": [1, 2]}])  # a cut journal
+    torch.save(state, ck / "rollout.pt")
     write_manifest(ck)
     refused(cfg, r"rollout\.pt: not the rollout state of a run")
 
@@ -299,3 +304,17 @@ def test_latest_checkpoint_is_the_one_checked(run, model_src):
     assert "remove " + str(newer) + " to resume from step_00000002" in msg
     shutil.rmtree(newer)
     assert latest_checkpoint(cfg.run_dir) == ck and checked_resume_point(cfg, 1) == ck
+
+
+def test_resume_refuses_a_code_running_metadata_before_anything_reads_it(run, tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from tests.unit.test_untrusted_checkpoint import ViaLoadFromBytes
+
+    cfg, ck = run
+    mark = tmp_path / "pwned"
+    (ck / "model" / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={},
+                                                                   planner_data=ViaLoadFromBytes(mark))))
+    write_manifest(ck)  # an attacker seals it too
+    refused(cfg, r"model/\.metadata: refused to load: torch\.storage\._load_from_bytes is not a checkpoint-metadata")
+    assert not mark.exists()
