@@ -339,11 +339,16 @@ def validate_checkpoint(ckpt: str | Path, cfg: Any, world: int) -> dict[str, Any
             raise CheckpointError(f"{d / 'trainer.json'}: {key} missing (not a run's checkpoint); {_fix(d)}")
     run_dir = d.parent.parent
     for key, name in zip(_SIZES, ("metrics.jsonl", "rollouts.jsonl", "events.jsonl")):
-        have = (run_dir / name).stat().st_size if (run_dir / name).is_file() else 0
+        if not (run_dir / name).exists():  # removed (e.g. to save space): the run goes on without its old lines
+            if meta.get(key, 0):
+                logger.warning("%s is missing (the checkpoint saw %d bytes of it): resuming without them",
+                               run_dir / name, meta[key])
+            continue
+        have = (run_dir / name).stat().st_size
         if meta.get(key, 0) > have:
             raise CheckpointError(f"{run_dir / name}: {have} bytes, the checkpoint saw {meta[key]} ({key} in "
-                                  f"{d / 'trainer.json'}): the run directory's files are not this checkpoint's; "
-                                  "restore them, or start a fresh run")
+                                  f"{d / 'trainer.json'}): the file is not this checkpoint's run or lost its end; "
+                                  "restore it, or move it away to resume without its old lines")
     check_model_dir(d / "model")
     if meta["world_size"] == world:
         _check_rng(d, world)

@@ -90,6 +90,17 @@ def test_trainer_json_with_wrong_fields(run, fields, pattern, reseal):
         refused(cfg, r"trainer\.json: its sha256 differs from manifest\.json|trainer\.json: \d+ bytes, manifest")
 
 
+def test_a_log_shorter_than_the_checkpoint_saw_is_refused_a_missing_one_is_not(run, caplog):
+    cfg, ck = run
+    truncate(cfg.run_dir / "metrics.jsonl")
+    refused(cfg, r"metrics\.jsonl: \d+ bytes, the checkpoint saw \d+ \(metrics_bytes in .*trainer\.json\).*move it "
+                 "away to resume without its old lines")
+    (cfg.run_dir / "metrics.jsonl").unlink()
+    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint"):
+        assert checked_resume_point(cfg, 1) == ck
+    assert "metrics.jsonl is missing (the checkpoint saw" in caplog.text
+
+
 def test_trainer_json_truncated(run):
     cfg, ck = run
     truncate(ck / "trainer.json")
