@@ -278,7 +278,11 @@ class AgentWorkflow(RolloutWorkflow):
                              "non-streaming chat completions (stop strings: use stop_token_ids)")
         if len(session.completions) >= self.max_completions:
             raise BadRequest(f"the episode used its {self.max_completions} completions (max_completions)")
-        tpl = dict(body.get("chat_template_kwargs") or {})
+        tpl = body.get("chat_template_kwargs") or {}
+        if not isinstance(tpl, dict) or "chat_template" in tpl:  # episodes are rendered with the model card's
+            raise BadRequest("chat_template_kwargs must be an object without chat_template (episodes use the "
+                             "model card's chat template)")
+        tpl = dict(tpl)
         if body.get("tools"):
             tpl["tools"] = body["tools"]
         messages = body["messages"]

@@ -150,7 +150,8 @@ def test_malformed_request_bodies_answer_400_and_the_episode_goes_on(tok):
         msgs = [{"role": "user", "content": "x"}]
         async with aiohttp.ClientSession() as http:
             for body in ("[" * 100_000, json.dumps({"messages": msgs, "max_tokens": "many"}),
-                         json.dumps({"messages": msgs, "stop_token_ids": [None]})):
+                         json.dumps({"messages": msgs, "stop_token_ids": [None]}),
+                         json.dumps({"messages": msgs, "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})):
                 async with http.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
                     assert resp.status == 400, await resp.text()
                     assert (await resp.json())["type"] == "BadRequestError"

@@ -169,6 +169,18 @@ def test_no_body_bad_json_and_duplicate_rid(server):
     assert res["a"][1]["meta_info"]["finish_reason"]["type"] == "abort"
 
 
+def test_request_supplied_chat_template_is_refused(server):
+    """A client's Jinja template would run in the server unbounded (three nested `range(100000)` loops never end,
+    in a thread nothing can cancel); SGLang 0.5.21+ refuses it too. The card's template takes other kwargs."""
+    addr, msgs = server.addresses[0], [{"role": "user", "content": "hi"}]
+    st, out = post(addr, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
+                                                  "chat_template_kwargs": {"chat_template": "{{ 'x' }}"}})
+    assert st == 400 and "Request-supplied chat_template is not allowed" in out["message"]
+    st, out = post(addr, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
+                                                  "chat_template_kwargs": {"enable_thinking": False}})
+    assert st == 200 and out["usage"]["completion_tokens"] == 1
+
+
 def test_info_endpoints(server):
     addr = server.addresses[0]
     assert get(addr, "/health")[0] == 200

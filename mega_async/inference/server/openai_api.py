@@ -111,6 +111,9 @@ class OpenAIEndpoints:
         kwargs = req.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise OpenAIError("chat_template_kwargs must be an object")
+        if "chat_template" in kwargs:  # a client's Jinja template would run here, unbounded (SGLang 0.5.21+ refuses)
+            raise OpenAIError("Request-supplied chat_template is not allowed: the embedded server renders the "
+                              "model card's chat template only")
         loop = asyncio.get_running_loop()
 
         def render() -> list[int]:
