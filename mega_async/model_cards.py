@@ -13,6 +13,11 @@ logger = logging.getLogger("mega_async.model_cards")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MOE = REPO_ROOT / "models" / "tiny-qwen3-moe"
 TINY_DENSE = REPO_ROOT / "models" / "tiny-qwen3"
+# DeepSeek-V3 architecture: MLA, a dense first layer, shared experts, sigmoid + bias group-limited routing
+TINY_DEEPSEEK = REPO_ROOT / "models" / "tiny-deepseek-v3"
+# GLM-4.5 (Glm4MoeForCausalLM): shared experts, sigmoid + bias routing, partial rotary, qkv bias
+TINY_GLM = REPO_ROOT / "models" / "tiny-glm4-moe"
+MOE_CARDS = {"qwen3_moe": TINY_MOE, "deepseek_v3": TINY_DEEPSEEK, "glm4_moe": TINY_GLM}
 
 
 def has_weights(model_dir: str | os.PathLike) -> bool:
@@ -39,6 +44,7 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     with gen:
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        _random_router_bias(model)
     dst.mkdir(parents=True, exist_ok=True)
     tmp = dst / ".model.safetensors.tmp"
     model.save_pretrained(str(dst / ".tmp_save"))
@@ -57,6 +63,16 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     logger.info("wrote random-init weights (seed %d, %d params) to %s", seed,
                 sum(p.numel() for p in model.parameters()), dst)
     return dst
+
+
+def _random_router_bias(model: torch.nn.Module, std: float = 0.02) -> None:
+    """transformers initialises sigmoid routers' `e_score_correction_bias` to zeros; a trained DeepSeek-V3 or
+    GLM-4.5 has a bias that changes which experts are picked (not their weights). A random one, of the size
+    of the sigmoid scores' spread, makes the tiny cards exercise that path."""
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0.0, std)
 
 
 def derive_card(base: str | os.PathLike, out_dir: str | os.PathLike, seed: int = 0, **config: Any) -> Path:
