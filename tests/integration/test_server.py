@@ -179,6 +179,9 @@ def test_request_supplied_chat_template_is_refused(server):
     st, out = post(addr, "/v1/chat/completions", {"messages": msgs, "max_tokens": 1,
                                                   "chat_template_kwargs": {"enable_thinking": False}})
     assert st == 200 and out["usage"]["completion_tokens"] == 1
+    # 16 MB of messages: refused before tokenizing (as /generate's text), not tokenized for a minute
+    st, out = post(addr, "/v1/chat/completions", {"messages": [{"role": "user", "content": "ab" * (8 << 20)}]})
+    assert st == 400 and "characters is longer than the context length" in out["message"]
 
 
 def test_info_endpoints(server):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from aiohttp import web
 
-from mega_async.inference.server.generate_protocol import output_text
+from mega_async.inference.server.generate_protocol import check_text, output_text
 from mega_async.inference.server.protocol import BadRequest, clean, validate_openai
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ class OpenAIEndpoints:
 
         def render() -> list[int]:
             text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kwargs)
+            check_text(text, self.s.limits)  # as /generate: surely longer than the context is not tokenized
             return tok(text, add_special_tokens=False)["input_ids"]
 
         return await loop.run_in_executor(None, render)
