@@ -101,7 +101,7 @@ def read_json(path: Path, what: str, fix: str) -> Any:
         raise CheckpointError(f"{path}: {st.st_size} bytes, more than a {what} can be; {fix}")
     try:
         return json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({first_line(e)}): truncated or damaged; {fix}") from None
 
 
@@ -294,11 +294,15 @@ def _check_rng(ckpt: Path, world: int) -> None:
             raise CheckpointError(f"{p}: missing (the RNG state of trainer rank {r}; a resume at the same rank count "
                                   f"restores it); {_fix(ckpt)}")
         st = safe_torch_load(p)
-        import torch
+        try:  # restored as load_checkpoint will, into throwaway generators
+            import random
 
-        if not (isinstance(st, dict) and isinstance(st.get("python"), (tuple, list))
-                and torch.is_tensor(st.get("torch")) and st["torch"].dtype == torch.uint8):
-            raise CheckpointError(f"{p}: not an RNG state (python, torch); {_fix(ckpt)}")
+            import torch
+
+            random.Random().setstate(tuple(x if not isinstance(x, list) else tuple(x) for x in st["python"]))
+            torch.Generator().set_state(st["torch"])
+        except (TypeError, ValueError, KeyError, RuntimeError, OverflowError) as e:
+            raise CheckpointError(f"{p}: not an RNG state ({first_line(e)}); {_fix(ckpt)}") from None
 
 
 def check_model_dir(model_dir: str | Path) -> None:

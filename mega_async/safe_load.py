@@ -153,8 +153,9 @@ def check_bytes_entries(model_dir: str | Path, meta: Any) -> int:
 
 # ---- torch files -------------------------------------------------------------------------------------------
 def _weights_only(src: Any, where: str) -> Any:
-    try:
-        return torch.load(src, map_location="cpu", weights_only=True)
+    try:  # io.BytesIO: Transformer Engine's _extra_state (Megatron allows it too, when imported)
+        with torch.serialization.safe_globals([io.BytesIO]):
+            return torch.load(src, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{where}: refused to load: {msg[:300]} (only tensors and plain containers are "

@@ -119,6 +119,20 @@ def test_truncated_torch_files(run, rel):
     refused(cfg, rf"{rel}: not a readable torch file \(.*\); the file is truncated or damaged")
 
 
+def test_rng_state_of_something_else(run):
+    cfg, ck = run
+    torch.save({"python": [3, [1, 2], None], "torch": torch.zeros(4, dtype=torch.uint8)}, ck / "rng" / "rank0.pt")
+    write_manifest(ck)
+    refused(cfg, r"rng/rank0\.pt: not an RNG state \(")
+
+
+def test_deeply_nested_json_is_refused_in_one_line(run):
+    cfg, ck = run
+    (ck / "trainer.json").write_text("[" * 100000 + "]" * 100000)
+    write_manifest(ck)
+    refused(cfg, r"trainer\.json: not valid JSON")
+
+
 def test_rollout_pt_of_something_else(run):
     cfg, ck = run
     torch.save({"x": 1}, ck / "rollout.pt")
