@@ -8,11 +8,15 @@ a call that still runs after `TIMEOUT` seconds has its worker killed. Either way
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
 
 from mega_async.reward.isolated import WorkerPool, WorkerTimeout
+
+if importlib.util.find_spec("math_verify") is None:  # imported only in the workers: fail here, not per sample
+    raise ImportError("the GSM8K reward needs math-verify: pip install 'math-verify>=0.8'")
 
 logger = logging.getLogger("mega_async.reward.gsm8k")
 
