@@ -78,7 +78,7 @@ class _Worker:
             self.proc.stdin.write(json.dumps(args).encode() + b"\n")  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]
         except OSError:  # it died while idle
-            raise WorkerTimeout(f"worker exited (rc {self.proc.wait()})") from None
+            raise WorkerTimeout(f"worker exited (rc {self.proc.poll()})") from None
         reply = self._read(time.monotonic() + timeout)
         if "err" in reply:
             raise WorkerError(reply["err"])
@@ -94,7 +94,7 @@ class _Worker:
                 raise WorkerTimeout("no answer in time")
             chunk = os.read(fd, 1 << 16)
             if not chunk:
-                raise WorkerTimeout(f"worker exited (rc {self.proc.wait()})")
+                raise WorkerTimeout(f"worker exited (rc {self.proc.poll()})")
             self._buf += chunk
         line, self._buf = self._buf.split(b"\n", 1)
         return json.loads(line)
