@@ -34,31 +34,24 @@ def _hf_config(hf_dir_or_config: Any) -> Any:
     return hf_dir_or_config
 
 
-def _with_legacy_fields(cfg: Any) -> Any:
-    """transformers 5 moved `rope_theta` into rope_parameters and renamed num_experts; mbridge reads both."""
-    if not hasattr(cfg, "rope_theta") or getattr(cfg, "rope_theta", None) is None:
-        rp = getattr(cfg, "rope_parameters", None) or {}
-        cfg.rope_theta = rp.get("rope_theta", 10000.0)
-    if getattr(cfg, "num_experts", None) is None and getattr(cfg, "num_local_experts", None):
-        cfg.num_experts = cfg.num_local_experts
-    return cfg
-
-
 class HFBridge:
     """One model family's HF <-> Megatron mapping for the current parallel layout (Megatron initialised)."""
 
     def __init__(self, hf_dir_or_config: Any, dtype: torch.dtype = torch.float32, layer_spec: str = "auto"):
-        from mbridge import AutoBridge
-
         if layer_spec not in ("auto", "local", "te"):
             raise ValueError(f"layer_spec={layer_spec!r}: use auto, local or te")
-        self.hf_config = _with_legacy_fields(_hf_config(hf_dir_or_config))
+        from mega_async.bridge.families import family_for
+
+        hf = _hf_config(hf_dir_or_config)
+        self.family = family_for(hf)
+        self.family.check(hf)
+        self.hf_config = self.family.prepare(hf)
         self.dtype = dtype
         self.on_cpu = not torch.cuda.is_available()
         if layer_spec == "te" and not self._te_available():
             raise RuntimeError("layer_spec=te needs CUDA and transformer-engine (pip install -e .[gpu])")
         self.use_te = self._te_available() if layer_spec == "auto" else layer_spec == "te"
-        self.mb = AutoBridge.from_config(self.hf_config, dtype=dtype)
+        self.mb = self.family.mbridge(self.hf_config, dtype)
         self.config = self.mb.config  # Megatron's TransformerConfig (trainer.model sets its run options)
 
     @staticmethod
@@ -85,9 +78,7 @@ class HFBridge:
         if m:
             layer = _unwrap(model).decoder.layers[int(m[1])].layer_number - 1
             name = f"decoder.layers.{layer}." + name[m.end():]
-        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
-        if not self.is_moe:
-            name = name.replace(".pre_mlp_layernorm.weight", ".mlp.linear_fc1.layer_norm_weight")
+        name = self.family.global_name(name, self.is_moe)
         e = _EXPERT_LOCAL.search(name)
         if e:
             per_rank = self.config.num_moe_experts // mpu.get_expert_model_parallel_world_size()

@@ -40,14 +40,19 @@ class _GatherOverCP(torch.autograd.Function):
 
 
 class PackedDotProductAttention(DotProductAttention):
-    def __init__(self, config: Any, *args: Any, **kwargs: Any):
-        # DotProductAttention.__init__ asserts context_parallel_size == 1 (TE only); this class does CP itself
-        cp = config.context_parallel_size
+    def __init__(self, config: Any, *args: Any, k_channels: Optional[int] = None, v_channels: Optional[int] = None,
+                 **kwargs: Any):
+        # DotProductAttention.__init__ asserts context_parallel_size == 1 (TE only); this class does CP itself.
+        # MLA passes its K and V head dims (TE's signature); the local class sizes its output by kv_channels, so
+        # it is built with the V head dim (MLA passes its own softmax scale for the K dim)
+        cp, kv = config.context_parallel_size, config.kv_channels
         config.context_parallel_size = 1
+        if v_channels is not None:
+            config.kv_channels = v_channels
         try:
             super().__init__(config, *args, **kwargs)
         finally:
-            config.context_parallel_size = cp
+            config.context_parallel_size, config.kv_channels = cp, kv
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
@@ -68,7 +73,7 @@ class PackedDotProductAttention(DotProductAttention):
         if mpu.get_context_parallel_world_size() > 1:
             return _cp_attention(query, key, value, cu_q, mpu.get_context_parallel_group(), scale, p)
         key, value = _repeat_kv(query, key, value)
-        out = torch.empty_like(query)
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])  # MLA: V head dim != Q/K head dim
         bounds_q, bounds_k = cu_q.tolist(), cu_k.tolist()
         for i in range(len(bounds_q) - 1):
             qs, qe, ks, ke = bounds_q[i], bounds_q[i + 1], bounds_k[i], bounds_k[i + 1]
@@ -98,9 +103,9 @@ def _cp_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, c
     order = torch.empty(int(cu[-1]), dtype=torch.long)
     order[torch.cat(index)] = torch.arange(int(cu[-1]))  # gathered row holding each global position
     kv = _GatherOverCP.apply(torch.cat([key, value], dim=-1), group)[order.to(key.device)]
-    key, value = _repeat_kv(query, *kv.split(key.shape[-1], dim=-1))
+    key, value = _repeat_kv(query, *kv.split([key.shape[-1], value.shape[-1]], dim=-1))
     mine = index[rank].to(query.device)
-    out = torch.empty_like(query)
+    out = query.new_empty(*query.shape[:-1], value.shape[-1])
     bounds = cu.tolist()
     for i in range(len(bounds) - 1):
         s, e = bounds[i], bounds[i + 1]

@@ -161,6 +161,21 @@ def _with_cuda_type_names(fn: Any) -> Any:
     return inner
 
 
+def patch_without_te() -> None:
+    """Megatron's MLA believes Transformer Engine is there whenever its extension module imports, which it does
+    without TE (its classes are then mocks): `isinstance(linear_proj, TELinear)` raises. Without TE, MLA is told
+    so. Idempotent; for the local layer spec (CPU, or a GPU with layer_spec=local and no TE)."""
+    try:
+        import transformer_engine  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    mla.HAVE_TE = False
+
+
 def apply_cpu_patches() -> bool:
     """Patch Megatron-Core for CPU/gloo when CUDA is unavailable; idempotent. Returns whether patched."""
     global _APPLIED
@@ -195,6 +210,7 @@ def apply_cpu_patches() -> bool:
         return tensor.numpy() if as_numpy else tensor
 
     moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    patch_without_te()
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu

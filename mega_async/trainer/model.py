@@ -18,6 +18,10 @@ def _configure(bridge: Any) -> None:
     """Run options on the bridge's TransformerConfig (CPU-safe fusions, per-token loss, p2p mode)."""
     from megatron.core.distributed import finalize_model_grads
 
+    from mega_async.trainer.cpu import patch_without_te
+
+    if not bridge.use_te:
+        patch_without_te()  # MLA's local spec
     mb = bridge.mb
     overrides: dict[str, Any] = dict(
         moe_grouped_gemm=bridge.use_te,  # local spec: SequentialMLP (one module per expert)
@@ -34,6 +38,7 @@ def _configure(bridge: Any) -> None:
         # (all-reduced over DP) instead of averaging per micro-batch and per DP rank
         calculate_per_token_loss=True,
     )
+    overrides.update(bridge.family.overrides(bridge.hf_config, bridge.use_te))  # e.g. DeepSeek's router groups
     if mb.mpu.vpp_size is None or mb.mpu.pp_size == 1:
         overrides["overlap_p2p_comm"] = False
     mb.set_extra_args(**overrides)
@@ -85,6 +90,7 @@ def _build(bridge: Any) -> list[torch.nn.Module]:
             position_embedding_type="rope",
             rotary_base=hf.rope_theta,
             vp_stage=vp,
+            **bridge.family.model_args(hf),  # e.g. GLM's partial rotary
         )
         m.to(bridge.dtype)
         if torch.cuda.is_available():
