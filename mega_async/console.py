@@ -114,5 +114,9 @@ def setup_logging(level: str, run_dir: str | Path | None = None, total_steps: Op
     root.setLevel(min(lvl, logging.INFO))
     for h in handlers:
         root.addHandler(h)
-    logging.captureWarnings(True)  # warnings.warn (Apex/TE fall-backs, deprecations) -> py.warnings -> log file
+    # warnings.warn (Apex/TE fall-backs, deprecations) -> py.warnings -> log file. Off first: captureWarnings(True)
+    # does nothing while logging still holds a showwarning it saved earlier (e.g. inside someone's
+    # warnings.catch_warnings, which has since put its own back)
+    logging.captureWarnings(False)
+    logging.captureWarnings(True)
     return handlers
