@@ -125,9 +125,12 @@ def _place_servers(n: int, tp: int, ep: int, dp_attn: int, g: int, unit: str) ->
 
 def _dp_attention(tp: int, ep: int, c: Any) -> int:
     """SGLang's DP attention for an expert-parallel server whose KV heads are fewer than its tp ranks
-    (plain TP would replicate them): attention runs tp / kv_heads ways data-parallel."""
+    (plain TP would replicate them): attention runs tp / kv_heads ways data-parallel; MLA's latent KV cache is
+    one head, so tp ways (SGLang's DeepSeek recipe: --enable-dp-attention --dp-size tp)."""
     if c is None or ep <= 1:
         return 1
+    if getattr(c, "kv_lora_rank", None):  # MLA (DeepSeek-V3, Kimi-K2): one latent KV head, SGLang's --dp tp
+        return tp
     kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     return tp // kv if tp > kv and tp % kv == 0 else 1
 
@@ -146,9 +149,10 @@ def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float]
     if gpu_gib is None:
         return
     p = fit.count_params(c)
-    srv = fit.server_gib_per_gpu(p, inf.tp, dtype)
+    fp8 = fit.fp8_block_size(c) is not None
+    srv = fit.server_gib_per_gpu(p, inf.tp, dtype, fp8=fp8)
     if srv > fit.SERVER_WEIGHT_FRACTION * gpu_gib:
-        raise LaunchError(f"a server of {inf.tp} GPUs holds {srv:.1f} GiB of weights per GPU, over "
+        raise LaunchError(f"a server of {inf.tp} GPUs holds {srv:.1f} GiB of {'FP8 ' if fp8 else ''}weights per GPU, over "
                           f"{fit.SERVER_WEIGHT_FRACTION:.0%} of a {gpu_gib:g} GiB GPU: raise the inference part's t")
     tr = fit.trainer_gib_per_gpu(p, alloc.train, dtype)
     if tr > fit.TRAINER_STATE_FRACTION * gpu_gib:

@@ -56,7 +56,13 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan
         raise LaunchError(f"model.path={cfg.model.path} has no config.json; pass an HF model directory")
     from transformers import AutoConfig
 
+    from mega_async.bridge.families import UnsupportedModelError, check_model
+
     hf = AutoConfig.from_pretrained(model)
+    try:
+        check_model(hf)  # what the trainer would refuse at start (e.g. MTP layers), refused before sbatch
+    except UnsupportedModelError as e:
+        raise LaunchError(str(e)) from None
     plan = plan_job(alloc, launch.nodes, launch.gpus_per_node, backend=cfg.inference.backend, hf_config=hf,
                     dtype=cfg.model.dtype, gpu_memory_gib=launch.gpu_memory_gib)  # servers and trainer use model.dtype
     train_args = ["-c", str(Path(args.config).resolve()), *args.overrides]
