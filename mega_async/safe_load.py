@@ -173,11 +173,11 @@ def safe_torch_load(path: str | Path) -> Any:
 
 
 # ---- the distributed checkpoint, read through these doors -----------------------------------------------
-def _strategies(model_dir: Path) -> tuple[Any, Any]:
-    """Megatron's torch_dist load strategy and common strategy, with the readers above."""
+def _reader_and_planner(model_dir: Path) -> tuple[type, type]:
+    """torch's FileSystemReader reading `.metadata` restricted, and Megatron's load planner loading object
+    entries tensors-only and refusing NaN/inf (the classes, built on first use: Megatron imports slowly)."""
     from megatron.core.dist_checkpointing.strategies import torch as mt
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
-    from torch.distributed.checkpoint import FileSystemReader, load_state_dict
+    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._traverse import set_element
 
     class Reader(FileSystemReader):
@@ -213,6 +213,17 @@ def _strategies(model_dir: Path) -> tuple[Any, Any]:
                                       "(the run that wrote it diverged, or the file was changed): resume from an "
                                       "earlier checkpoint")
             super().commit_tensor(read_item, tensor)
+
+    return Reader, Planner
+
+
+def _strategies(model_dir: Path) -> tuple[Any, Any]:
+    """Megatron's torch_dist load strategy and common strategy, with the reader and planner above."""
+    from megatron.core.dist_checkpointing.strategies import torch as mt
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    from torch.distributed.checkpoint import load_state_dict
+
+    Reader, Planner = _reader_and_planner(model_dir)
 
     class Sharded(mt.TorchDistLoadShardedStrategy):
         def load(self, sharded_state_dict: Any, checkpoint_dir: Path) -> Any:  # Megatron 0.16's, with Reader/Planner
