@@ -609,6 +609,9 @@ class DistributedWeightSync(WeightSync):
             dist.recv(token, src=self._stage_heads[rs.pp_rank - 1], group=self.group)
             if token.item():
                 error = f"stage {rs.pp_rank - 1} failed first; stage {rs.pp_rank} sent nothing"
+        if error is None and rs.is_stage_head and self.pg is None:  # dropped by an earlier failed sync
+            error = (f"stage {rs.pp_rank} has no weight-update group (an earlier sync failed and dropped it); "
+                     "restart the run (trainer.resume=auto continues from the last checkpoint)")
         try:
             error = self._stream(target, stats, error)
         finally:

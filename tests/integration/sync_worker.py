@@ -123,6 +123,12 @@ def main() -> None:
                 result["refused_error"] = str(e)
             result["refused_s"] = time.monotonic() - t0
             result["refused_version"] = version.value
+            try:  # the failed sync dropped the group: another push must fail, not claim a version it never sent
+                sync.push()
+                result["after_refused"] = None
+            except SyncError as e:
+                result["after_refused"] = str(e)
+            result["after_refused_version"] = version.value
         sync.close()
     finally:
         for launcher in launchers:

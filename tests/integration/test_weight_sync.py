@@ -66,6 +66,7 @@ def test_update_with_requests_in_flight(cards, tmp_path):
     # fails with that refusal at once, not after its 20 s timeout (the old wait on the broadcast)
     assert "must run between begin_weight_update() and end_weight_update()" in res["refused_error"]
     assert res["refused_version"] == 1 and res["refused_s"] < 10
+    assert "has no weight-update group" in res["after_refused"] and res["after_refused_version"] == 1
 
 
 def test_400_mid_bucket_leaves_old_weights_on_every_server(cards, tmp_path):
