@@ -64,6 +64,12 @@ def check_inputs(cfg: RunConfig) -> None:
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(cfg.model.path)
+    from mega_async.bridge.families import UnsupportedModelError, check_model
+
+    try:  # what the trainer cannot build faithfully (e.g. DeepSeek's MTP layers) is refused before anything starts
+        check_model(hf)
+    except UnsupportedModelError as e:
+        raise ConfigError(f"model.path={cfg.model.path}: {e}") from None
     ctx = getattr(hf, "max_position_embeddings", None)
     budget = cfg.rollout.max_new_tokens + cfg.data.max_prompt_tokens
     if ctx is not None and budget > ctx:

@@ -63,6 +63,24 @@ class DeepseekV3(SigmoidRouted):
             out["attention_backend"] = AttnBackend.local  # mbridge asks for TE's fused attention
         return out
 
+    def layer_spec(self, spec: Any, use_te: bool) -> Any:
+        """The local spec builds MLA's down projections (q_a_proj, kv_a_proj_with_mqa) column-parallel and
+        gathers their outputs; the rope part of kv_a_proj_with_mqa is then replicated over TP and consumed by each
+        rank's heads, but the gather's backward keeps only the owning rank's share of its gradient (measured: the
+        TP2 step's kv_a_proj_with_mqa differed from one rank's by 1e-4). As Transformer Engine's spec does, they are
+        replicated plain linears here ("duplicated", gradients summed over TP as sequence-parallel weights)."""
+        if use_te:
+            return spec
+        from megatron.core.post_training.modelopt.layers import Linear
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        for layer in getattr(spec, "layer_specs", None) or [spec]:
+            sub = layer.submodules.self_attention.submodules
+            for f in ("linear_q_down_proj", "linear_kv_down_proj"):
+                if getattr(sub, f, None) is ColumnParallelLinear:
+                    setattr(sub, f, Linear)
+        return spec
+
     def global_name(self, name: str, is_moe: bool) -> str:
         # MLA keeps input_layernorm apart (mbridge maps it as is); the local spec's q/kv layernorms are what TE
         # fuses into the up projections

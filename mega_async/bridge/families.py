@@ -46,6 +46,10 @@ class Family:
         """Extra GPTModel arguments (beside vocab, sequence length, rope base)."""
         return {}
 
+    def layer_spec(self, spec: Any, use_te: bool) -> Any:
+        """Megatron's layer (or block) spec for this family, changed in place where needed."""
+        return spec
+
     def global_name(self, name: str, is_moe: bool) -> str:
         """A local-spec parameter name (global layer number already in place) -> mbridge's name."""
         name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")

@@ -61,6 +61,7 @@ def _layer_spec(bridge: Any, vp_stage: Optional[int]) -> Any:
     if bridge.is_moe:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=bridge.use_te, normalization="RMSNorm",
                                           vp_stage=vp_stage)
+        spec = bridge.family.layer_spec(spec, bridge.use_te)  # e.g. MLA's replicated down projections
     elif bridge.use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
     else:
