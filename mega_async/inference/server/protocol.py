@@ -81,6 +81,8 @@ def _is_int(x: Any) -> bool:
 # unknown keys are ignored. `validate_model` applies those rules to a body, field by field.
 REQUIRED = object()
 _INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_INT_LEAD = re.compile(r"-?[1-9][0-9]*")  # the JSON number pydantic (jiter) tries first
+MAX_INT_CHARS = 4300  # pydantic's and CPython's bound on an integer's text
 _TRUE = ("1", "on", "t", "true", "y", "yes")
 _FALSE = ("0", "off", "f", "false", "n", "no")
 
@@ -101,10 +103,18 @@ def lax_int(v: Any) -> int:
             raise FieldError("Unable to parse input string as an integer, exceeded maximum size")
         return int(v)
     if isinstance(v, str):
+        lead = _INT_LEAD.match(v)  # pydantic reads a number from the raw text first: over 4300 characters is too big
+        if lead and lead.end() > MAX_INT_CHARS:
+            raise FieldError("Unable to parse input string as an integer, exceeded maximum size")
         t = v.strip()
         if not _INT_TEXT.fullmatch(t):
             raise FieldError("Input should be a valid integer, unable to parse string as an integer")
-        return int(t.split(".")[0])
+        digits = t.split(".")[0].replace("_", "").lstrip("+")
+        sign, digits = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
+        digits = digits.lstrip("0") or "0"
+        if len(sign) + len(digits) > MAX_INT_CHARS:  # pydantic: too big after cleaning is a plain parse error
+            raise FieldError("Input should be a valid integer, unable to parse string as an integer")
+        return int(sign + digits)
     raise FieldError("Input should be a valid integer")
 
 
@@ -178,6 +188,12 @@ def literal(*values: str) -> Any:
     return check
 
 
+def shown(v: Any) -> str:
+    """A client's value in an error line, cut as pydantic cuts input_value (a 4 MB string is not echoed)."""
+    r = repr(v)
+    return r if len(r) <= 50 else f"{r[:24]}...{r[-24:]}"
+
+
 def validate_model(body: dict, fields: dict[str, tuple[Any, Any]], fill_defaults: bool = True) -> dict:
     """The body with each model field coerced as SGLang's pydantic validation does and its default filled in
     (unless not `fill_defaults`); keys outside the model are kept as sent (SGLang ignores them; some are this
@@ -193,7 +209,7 @@ def validate_model(body: dict, fields: dict[str, tuple[Any, Any]], fill_defaults
         try:
             out[key] = kind(body[key])
         except FieldError as e:
-            raise BadRequest(f"{key}: {e} (got {body[key]!r})") from None
+            raise BadRequest(f"{key}: {e} (got {shown(body[key])})") from None
     return out
 
 
