@@ -397,7 +397,7 @@ class MegatronTrainEngine:
         total = counts.sum(1)
         out.update({"mismatch/route_top1_frac": float(total[1] / total[0]),
                     "mismatch/route_set_frac": float(total[2] / total[0])})
-        for layer in range(counts.shape[1]):
+        for layer in self.routing.moe_layers:  # dense layers (DeepSeek's first_k_dense_replace) have no router
             tok = max(float(counts[0, layer]), 1.0)
             out[f"mismatch/route_top1_frac/layer{layer}"] = float(counts[1, layer]) / tok
             out[f"mismatch/route_set_frac/layer{layer}"] = float(counts[2, layer]) / tok

@@ -5,7 +5,11 @@ holds the experts of the forward at t, the one that sampled token t+1; -1 where 
 micro-batch the engine hands this rank's positions (its CP chunks) here; each MoE router of the model chunk
 about to run gets its layer's rows (its sequence-parallel slice) as Megatron's `RouterReplay` targets
 (REPLAY_FORWARD: the top-k ids are the rollout's, the gate probabilities the trainer's own scores at those
-ids, so gradients still reach the router). A forward hook on every router counts, per layer, the tokens
+ids, so gradients still reach the router). For sigmoid routers with a correction bias (DeepSeek-V3, GLM-4.5) the
+bias ranks experts for selection only and group-limited top-k picks the groups: replay takes the rollout's ids
+as they are and weights them by the trainer's unbiased sigmoid scores, renormalised and scaled by the
+routed_scaling_factor, as the rollout's own forward did. Rows of dense layers (first_k_dense_replace) are
+never read. A forward hook on every router counts, per layer, the tokens
 whose top-1 expert or whose expert set differs from the rollout's.
 """
 from __future__ import annotations
@@ -19,6 +23,14 @@ def _routers(model: torch.nn.Module) -> list[Any]:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def moe_layers(config: Any, num_layers: int) -> list[int]:
+    """The layers (0-based, global) that have a router, from Megatron's moe_layer_freq (DeepSeek-V3 and GLM-4.5
+    keep their first_k_dense_replace layers dense): the per-layer stats name only these."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    pattern = list(freq) if isinstance(freq, (list, tuple)) else [int(i % freq == 0) for i in range(num_layers)]
+    return [i for i, moe in enumerate(pattern) if moe]
 
 
 class RouteReplay:
@@ -47,6 +59,7 @@ class RouteReplay:
         self._tp, self._tp_rank = (tp, mpu.get_tensor_model_parallel_rank()) if sp else (1, 0)
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(router) -> (routes, weights)
         self.counts = torch.zeros(3, num_layers, dtype=torch.float64)  # tokens, top-1 differs, set differs
+        self.moe_layers = moe_layers(models[0].config, num_layers) if models else list(range(num_layers))
 
     def _slice(self, t: torch.Tensor) -> torch.Tensor:
         """The sequence-parallel part of this rank's (CP-local) stream, as the router sees it."""
@@ -97,13 +110,22 @@ class RouteReplay:
                                f"{routes.shape[0]}")
         with torch.no_grad():
             mine = routing_map.detach().cpu()
-            top1 = probs.detach().float().masked_fill(~routing_map, float("-inf")).argmax(-1).cpu()
+            p = probs.detach().float().cpu()
+            top1 = p.masked_fill(~mine, float("-inf")).argmax(-1)
+            ids = routes.clamp(min=0).long()
             theirs = torch.zeros_like(mine)
-            theirs.scatter_(1, routes.clamp(min=0).long(), True)
+            theirs.scatter_(1, ids, True)
+            if module.score_function == "sigmoid":
+                # a sigmoid router's top-k comes unsorted (SGLang's and transformers' biased grouped top-k), and the
+                # correction bias ranks selection apart from weight: the rollout's top-1 is the one of its experts
+                # the gate weights most (the trainer's gate weights: all the stats have here)
+                their_top1 = ids.gather(1, p.gather(1, ids).argmax(-1, keepdim=True)).squeeze(1)
+            else:
+                their_top1 = routes[:, 0].long()
             w = w.double()
             layer = module.layer_number - 1
             self.counts[0, layer] += w.sum()
-            self.counts[1, layer] += (w * (top1 != routes[:, 0].long())).sum()
+            self.counts[1, layer] += (w * (top1 != their_top1)).sum()
             self.counts[2, layer] += (w * (mine != theirs).any(-1)).sum()
 
     def take_stats(self) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mega_async.inference.launch import free_port
-from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+from mega_async.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
@@ -47,6 +47,31 @@ def test_round_trip_is_bit_identical(tmp_path, card, save_layout, save_np, load_
     assert same_weights(hf, tmp_path / "back")
     assert (tmp_path / "back" / "tokenizer.json").exists() and (tmp_path / "back" / "config.json").exists()
     assert not list(tmp_path.glob("*.partial"))
+
+
+@pytest.mark.slow  # four torchrun launches
+@pytest.mark.parametrize("card, save_layout, save_np, load_layout, load_np", [
+    (TINY_DEEPSEEK, "megatron:t2", 2, None, 1),  # MLA shards and the router bias at TP2, read back on one rank
+    (TINY_GLM, "megatron:d1", 1, "megatron:d2e2", 2),  # exported from EP2
+], ids=["deepseek-tp2-to-1", "glm-1-to-ep2"])
+def test_family_round_trip_is_bit_identical_and_loads_in_transformers(tmp_path, card, save_layout, save_np,
+                                                                        load_layout, load_np):
+    from transformers import AutoModelForCausalLM
+
+    hf = init_random_weights(card, tmp_path / "hf", seed=3)
+    r = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--allocation", save_layout,
+                nproc=save_np)
+    assert r.returncode == 0, r.stderr[-4000:]
+    args = ["mcore-to-hf", "--mcore", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")]
+    r = convert(*args, *(["--allocation", load_layout] if load_layout else []), nproc=load_np)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert same_weights(hf, tmp_path / "back")
+    tokens = torch.randint(1, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # what a run's final_hf is (the same writer): transformers loads it, every weight used
+        a, info = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32, output_loading_info=True)
+        b = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
+        assert not any(info.values()), info
+        assert torch.equal(a(tokens).logits, b(tokens).logits)
 
 
 def test_clear_errors(tmp_path):

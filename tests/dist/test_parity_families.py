@@ -40,6 +40,7 @@ def same_export(got: dict, src: dict) -> bool:
 def test_single_rank_matches_transformers_and_exports_exactly(weights, single_rank, kind):
     res = single_rank[kind]
     gap = (res["logits"]["logits"] - hf_logits(weights[kind])).abs().max().item()
+    print(f"parity {kind} d1: |logits - transformers| max {gap:.2e}")
     assert gap < 1e-4, f"{kind}: logits differ from transformers' by {gap}"
     src = load_file(str(weights[kind] / "model.safetensors"))
     # the pieces of these families travel under their own HF names
@@ -75,4 +76,5 @@ def test_layout_parity(weights, single_rank, tmp_path, kind, layout, nproc):
     assert same_export(res["export"], src)
     assert res["stepped"].keys() == ref["stepped"].keys()
     diff = max((res["stepped"][k] - ref["stepped"][k]).abs().max().item() for k in src)
+    print(f"parity {kind} {layout}: |logits - one rank| max {gap:.2e}, stepped weights {diff:.2e}")
     assert diff < 1e-5, f"{kind} {layout}: updated weights differ from the single-rank step by {diff}"

@@ -65,3 +65,52 @@ def test_replay_parity(moe, single, tmp_path, layout, nproc):
         assert (lp[k] - lp1[k])[m].abs().max() < 1e-5, k
     assert max((w[k] - w1[k]).abs().max().item() for k in w1) < 1e-5
     assert s["train"]["loss"] == pytest.approx(s1["train"]["loss"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM
+
+    root = tmp_path_factory.mktemp("r3-families")
+    return {"deepseek": init_random_weights(TINY_DEEPSEEK, root / "deepseek", seed=0),
+            "glm": init_random_weights(TINY_GLM, root / "glm", seed=0)}
+
+
+@pytest.fixture(scope="module")
+def families_single(families, tmp_path_factory):
+    return {k: run(m, "megatron:d1", 1, tmp_path_factory.mktemp(f"r3-{k}")) for k, m in families.items()}
+
+
+@pytest.mark.parametrize("kind", ["deepseek", "glm"])
+def test_replay_of_bias_corrected_group_limited_routes(families, families_single, kind):
+    """DeepSeek-V3 (group-limited top-k) and GLM-4.5: rollout routes from transformers' router with its correction
+    bias shifted select other experts; replayed, the trainer picks exactly those and weights them as that
+    rollout did (the bias ranks, the unbiased sigmoid scores weight): its logprobs equal transformers' forward
+    with the shifted bias. The per-layer stats name the MoE layers only (layer 0 is dense)."""
+    stats, lp, _ = families_single[kind]
+    cfg = json.loads((families[kind] / "config.json").read_text())
+    dense = cfg["first_k_dense_replace"]
+    layers = sorted(int(k.rsplit("layer", 1)[1]) for k in stats["same_off"] if k.startswith("mismatch/route_set_frac/layer"))
+    assert layers == list(range(dense, cfg["num_hidden_layers"]))
+    m = lp["mask"].bool()
+    assert (lp["same"] - lp["hf"])[m].abs().max() < 1e-5  # the packed engine forward equals transformers'
+    for k in ROUTE_KEYS:  # the same weights and bias route identically (the unsorted top-k compared as sets)
+        assert stats["same_off"][k] == 0.0 and stats["same_on"][k] == 0.0
+    assert stats["rebiased_off"]["mismatch/route_set_frac"] > 0.2  # the bias changes the selection
+    assert stats["rebiased_on"]["mismatch/route_set_frac"] == 0.0
+    assert stats["foreign_on"]["mismatch/route_set_frac"] == 0.0 and stats["train"]["mismatch/route_set_frac"] == 0.0
+    assert (lp["hf_rebiased"] - lp["hf"])[m].abs().max() > 1e-3  # other experts, other logprobs
+    gap = (lp["rebiased"] - lp["hf_rebiased"])[m].abs().max().item()
+    assert gap < 1e-5, f"{kind}: replayed logprobs differ from the rollout forward's by {gap}"
+
+
+@pytest.mark.parametrize("kind, layout", [("deepseek", "megatron:d2e2"), ("deepseek", "megatron:t2"),
+                                          ("glm", "megatron:p2")], ids=["deepseek-ep2", "deepseek-tp2", "glm-pp2"])
+def test_family_replay_parity(families, families_single, tmp_path, kind, layout):
+    (s1, lp1, w1), (s, lp, w) = families_single[kind], run(families[kind], layout, 2, tmp_path)
+    for case in ("same_off", "rebiased_off", "rebiased_on", "foreign_on"):
+        assert s[case] == pytest.approx(s1[case], abs=1e-12), case
+    m = lp1["mask"].bool()
+    for k in ("free", "replayed", "rebiased"):
+        assert (lp[k] - lp1[k])[m].abs().max() < 1e-5, k
+    assert max((w[k] - w1[k]).abs().max().item() for k in w1) < 1e-5

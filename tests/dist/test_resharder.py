@@ -70,3 +70,48 @@ def test_buckets_equal_unsharded_export(moe, tmp_path, layout, nproc, pp):
             assert {int(n.split(".")[2]) for n in first} == {0, 2}
         else:
             assert {int(n.split(".")[2]) for n in first} == {0, 1}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM
+
+    root = tmp_path_factory.mktemp("rs-families")
+    return {"deepseek": init_random_weights(TINY_DEEPSEEK, root / "deepseek", seed=3),
+            "glm": init_random_weights(TINY_GLM, root / "glm", seed=3)}
+
+
+FAMILY_LAYOUTS = [(k, layout, 2, pp) for k in ("deepseek", "glm")
+                  for layout, pp in (("megatron:t2", 1), ("megatron:d2e2", 1), ("megatron:p2", 2))]
+
+
+@pytest.mark.slow  # six torchrun launches
+@pytest.mark.parametrize("kind, layout, nproc, pp", FAMILY_LAYOUTS,
+                         ids=[f"{k}-{l.split(':')[1]}" for k, l, _, _ in FAMILY_LAYOUTS])
+def test_family_buckets_equal_unsharded_export(families, tmp_path, kind, layout, nproc, pp):
+    """DeepSeek-V3 (MLA low-rank projections and their layernorms) and GLM-4.5 (q/k/v bias): the shared experts,
+    the router's correction bias and the dense first layer travel under their HF names, bit for bit."""
+    model = families[kind]
+    src = load_file(str(model / "model.safetensors"))
+    stages = reshard(model, layout, nproc, tmp_path)
+    assert sorted(stages) == list(range(pp))
+    got = {}
+    for stage, (tensors, info) in stages.items():
+        assert not set(tensors) & set(got), "a tensor was sent by two stages"
+        got.update(tensors)
+        for b in info["buckets"]:
+            if b["nbytes"] > BUDGET:
+                assert all(".mlp.experts." in n for n in b["names"]) or len(b["names"]) == 1
+    assert got.keys() == src.keys()
+    for k in src:
+        assert got[k].dtype == src[k].dtype and got[k].equal(src[k]), k
+    if pp == 2:  # the dense first layer is stage 0's, with its dense MLP names; the MoE layers' pieces are where due
+        first = stages[0][0]
+        assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.down_proj.weight",
+                "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.mlp.shared_experts.up_proj.weight",
+                "model.embed_tokens.weight"} <= set(first)
+        assert {int(n.split(".")[2]) for n in first if n.startswith("model.layers.")} == {0, 1}
+        assert "model.layers.3.mlp.gate.e_score_correction_bias" in stages[1][0] and "lm_head.weight" in stages[1][0]
+        if kind == "deepseek":
+            assert {"model.layers.0.self_attn.q_a_layernorm.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+                    "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"} <= set(first)
