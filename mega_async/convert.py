@@ -50,6 +50,18 @@ def _copy_model_files(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
+def model_tensor_names(names: list[str], models: Any) -> list[str]:
+    """The checkpoint's tensors the model has: DeepSeek-V3 and GLM-4.5 checkpoints append their MTP layers as
+    model.layers.{num_hidden_layers}.* (a config with num_nextn_predict_layers 0 neither loads nor exports them)."""
+    import re
+
+    from mega_async.bridge import bridge_for
+
+    layers = int(bridge_for(models).hf_config.num_hidden_layers)
+    beyond = re.compile(r"^model\.layers\.(\d+)\.")
+    return [n for n in names if not ((m := beyond.match(n)) and int(m[1]) >= layers)]
+
+
 def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
@@ -72,7 +84,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
     dist_checkpointing.save(model_sharded_state_dict(models), str(tmp))
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    count = len(_SafetensorsDir(src).names())
+    count = len(model_tensor_names(_SafetensorsDir(src).names(), models))
     if _rank() == 0:
         _copy_model_files(src, tmp / HF_SUBDIR)
         (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,

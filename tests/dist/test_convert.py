@@ -59,6 +59,9 @@ def test_family_round_trip_is_bit_identical_and_loads_in_transformers(tmp_path, 
     from transformers import AutoModelForCausalLM
 
     hf = init_random_weights(card, tmp_path / "hf", seed=3)
+    if card == TINY_DEEPSEEK:  # a published checkpoint's MTP layer beside a config with num_nextn_predict_layers 0
+        save_file({"model.layers.4.eh_proj.weight": torch.randn(64, 128), "model.layers.4.enorm.weight": torch.ones(64)},
+                  str(hf / "model-mtp.safetensors"))
     r = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--allocation", save_layout,
                 nproc=save_np)
     assert r.returncode == 0, r.stderr[-4000:]
