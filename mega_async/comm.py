@@ -14,6 +14,7 @@ import inspect
 import os
 import socket
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -21,6 +22,71 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def is_loopback(host: Optional[str]) -> bool:
+    return host in (None, "", "localhost", "::1") or str(host).startswith("127.")
+
+
+def route_source(peer: str) -> str:
+    """This host's address on the route to `peer` (an address or a name): what `peer` reaches this host at.
+    A UDP connect() sends nothing; a peer that is this host gives its own address back."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 9))
+        return s.getsockname()[0]
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of the local network interface that holds `address` (None: no interface has it)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
+
+
+def _gloo_hostname_address() -> Optional[str]:
+    """The address gloo binds to by default: the first address this host's name resolves to that can be bound
+    (as torch's doesHostnameResolveToUsableAddress and gloo's lookup choose), None when there is none."""
+    try:
+        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind(addr)
+        except OSError:
+            continue
+        return str(addr[0])
+    return None
+
+
+def pin_gloo_interface(peer: Optional[str]) -> Optional[str]:
+    """Before a gloo group with ranks on other hosts: gloo binds to the address of this host's name and falls
+    back to loopback when the name does not resolve to a local address (or resolves to 127.0.1.1, as Debian's
+    /etc/hosts has it), and then no rank on another host can connect ("connectFullMesh failed ... remote=
+    [127.0.0.1]"). In that case, and only then, GLOO_SOCKET_IFNAME is set to the interface on the route to
+    `peer` (the rendezvous address). An explicit GLOO_SOCKET_IFNAME and loopback peers are left alone.
+    Returns the interface set, else None."""
+    if os.environ.get("GLOO_SOCKET_IFNAME") or is_loopback(peer):
+        return None
+    if not is_loopback(_gloo_hostname_address()):
+        return None  # the host name resolves to a local non-loopback address: gloo's own choice works
+    try:
+        name = interface_of(route_source(str(peer)))
+    except OSError:
+        return None  # no route to the peer: the rendezvous fails and says so
+    if name is None or name == "lo":
+        return None
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    import logging
+
+    logging.getLogger("mega_async.comm").info(
+        "gloo: host name %s does not resolve to an address other hosts reach; GLOO_SOCKET_IFNAME=%s (the interface "
+        "on the route to %s)", socket.gethostname(), name, peer)
+    return name
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -41,6 +107,8 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     if not group_name:
         raise ValueError("group_name must be a non-empty string")
     timeout = timeout or default_pg_timeout
+    if backend == "gloo":  # ranks of this group on other hosts must reach this one's gloo address
+        pin_gloo_interface(urlparse(init_method).hostname)
     # under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rendezvous a client of the agent's store;
     # this group's rank 0 must host its own store at init_method instead
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)

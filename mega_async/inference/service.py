@@ -36,10 +36,38 @@ def _server_host() -> str:
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
     nodes = int(os.environ.get("SLURM_NNODES", "1"))
     if nodes > 1 or (local and world > local):
-        import socket
-
-        return socket.gethostbyname(socket.gethostname())
+        return node_address()
     return "127.0.0.1"
+
+
+def node_address() -> str:
+    """The address the other hosts of a multi-host run reach this one at: the local end of the route to
+    MASTER_ADDR (not the host name's address, which is 127.0.1.1 on Debian's /etc/hosts or may not
+    resolve at all), else the host name's address when it is not loopback; one line when neither is."""
+    import socket
+
+    from mega_async.comm import is_loopback, route_source
+
+    master = os.environ.get("MASTER_ADDR")
+    tried = []
+    if master and not is_loopback(master):
+        try:
+            addr = route_source(master)
+            if not is_loopback(addr):
+                return addr
+            tried.append(f"the route to MASTER_ADDR={master} leaves from {addr}")
+        except OSError as e:
+            tried.append(f"no route to MASTER_ADDR={master} ({e})")
+    try:
+        addr = socket.gethostbyname(socket.gethostname())
+        if not is_loopback(addr):
+            return addr
+        tried.append(f"host name {socket.gethostname()} is {addr}")
+    except OSError as e:
+        tried.append(f"host name {socket.gethostname()} does not resolve ({e})")
+    raise ConfigError("servers of a multi-host run need an address the other hosts reach, but "
+                      + "; ".join(tried) + ": export MASTER_ADDR as this node's address (or its name on the cluster "
+                      "network), or start the servers yourself and pass inference.addresses")
 
 
 def _first_free_gpu(cfg: RunConfig) -> Optional[int]:

@@ -38,6 +38,10 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / Slurm
+        if world > 1:  # gloo groups (the default on CPU, the control group always) across hosts
+            from mega_async.comm import pin_gloo_interface
+
+            pin_gloo_interface(os.environ["MASTER_ADDR"])
         dist.init_process_group(backend, rank=rank, world_size=world)
         return
     if world != 1:
