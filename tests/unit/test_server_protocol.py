@@ -195,3 +195,40 @@ def test_openai_scalars_coerce_as_sglangs_pydantic_models():
     assert validate_openai("/v1/completions", {"prompt": "x"}) == {"prompt": "x"}  # defaults stay the server's
     with pytest.raises(BadRequest, match="temperature: Input should be a valid number, unable to parse string"):
         validate_openai("/v1/completions", {"prompt": "x", "temperature": "warm"})
+
+
+# ---- bounded work per body (issue 18, "Also") ------------------------------------------------------------
+def test_n_samples_share_one_checked_prompt_and_the_body_is_bounded():
+    """n samples of a 2000-token prompt: one check of the prompt and one token list shared by every sample (the
+    old parse copied and re-checked it n times: n = 10^4 took 6.5 s and 400 MB on the event loop); prompts x n
+    past --max-requests-per-body is one 400 before anything is built."""
+    import tracemalloc
+
+    lim = GenerateLimits(vocab_size=1000, max_context=4096, max_new_tokens_cap=1 << 16, max_requests_per_body=2048)
+    prompt = [1 + i % 999 for i in range(2000)]
+    body = {"input_ids": prompt, "sampling_params": {"n": 2048, "max_new_tokens": 8}}
+    tracemalloc.start()
+    try:
+        reqs = parse_generate(body, [prompt], False, lim)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(reqs) == 2048 and all(r.input_ids is prompt for r, _ in reqs)
+    assert peak < 16 << 20, peak  # copies alone would be 2048 x 16 KB = 32 MB
+    for body, items in [({"input_ids": prompt, "sampling_params": {"n": 2049}}, [prompt]),
+                        ({"input_ids": [[1, 2]] * 1025, "sampling_params": {"n": 2}}, [[1, 2]] * 1025)]:
+        with pytest.raises(ValueRejected, match="more than this server's limit of 2048 per request "
+                                                r"\(--max-requests-per-body\)"):
+            parse_generate(body, items, True, lim)
+
+
+def test_stop_strings_are_bounded_as_sglang_and_by_total_length():
+    from mega_async.inference.server.generate_protocol import MAX_STOP_CHARS
+
+    assert len(parse_sampling({"stop": ["a"] * 32})["stop"]) == 32
+    with pytest.raises(ValueRejected, match="^at most 32 stop strings are allowed, got 33$"):  # SGLang 0.5.23's
+        parse_sampling({"stop": ["a"] * 33})
+    parse_sampling({"stop": ["x" * (MAX_STOP_CHARS - 1), "y"]})
+    with pytest.raises(ValueRejected, match=f"{MAX_STOP_CHARS + 1} characters of stop strings, more than the "
+                                            f"{MAX_STOP_CHARS}"):
+        parse_sampling({"stop": "x" * (MAX_STOP_CHARS + 1)})

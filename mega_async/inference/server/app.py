@@ -23,7 +23,8 @@ from mega_async.inference.server.generate_protocol import (GenerateLimits, Optio
                                                            prompt_items, response_body)
 from mega_async.inference.server.info import InfoEndpoints
 from mega_async.inference.server.memory import MemoryOccupation, parse_tags
-from mega_async.inference.server.protocol import (BadRequest, ValueRejected, clean, error_body, handler_error_body,
+from mega_async.inference.server.protocol import (QUEUE_FULL, BadRequest, BodyUnparsable, QueueFull, ValueRejected,
+                                                  clean, error_body, handler_error_body, http_error_body,
                                                   validate_request)
 from mega_async.inference.server.updates import WeightUpdates
 from mega_async.inference.server.weight_checker import WeightChecker, parse_check
@@ -32,6 +33,7 @@ from mega_async.inference.sglang_releases import MIRRORED_DEFAULT, Release
 
 logger = logging.getLogger("mega_async.inference.server")
 
+UNPARSABLE = "There was an error parsing the body"  # FastAPI's words, as SGLang answers them
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -126,7 +128,8 @@ class EmbeddedServer:
                  weight_update_timeout_s: float = 300.0, prefix_cache_tokens: int = 1 << 16,
                  enable_return_routed_experts: bool = False, served_model_name: Optional[str] = None,
                  sglang_version: str = MIRRORED_DEFAULT, enable_memory_saver: bool = False,
-                 enable_custom_logit_processor: bool = False):
+                 enable_custom_logit_processor: bool = False, max_queued_requests: Optional[int] = None,
+                 max_requests_per_body: int = 1 << 14):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = str(Path(model_path).resolve())
@@ -149,7 +152,9 @@ class EmbeddedServer:
                                        record_routes=enable_return_routed_experts)
         self.max_context = int(getattr(model.config, "max_position_embeddings", 1 << 20))
         self.limits = GenerateLimits(model.config.vocab_size, self.max_context, max_new_tokens_cap, tokenizer,
-                                     max_token_chars(tokenizer))
+                                     max_token_chars(tokenizer), max_requests_per_body)
+        self.max_queued_requests = max_queued_requests  # SGLang's --max-queued-requests (None: no bound, its default)
+        self._held = 0  # requests waiting at the pause gate: SGLang queues those in its waiting queue
         self.memory = MemoryOccupation(self.engine)
         self._rids: set[str] = set()
         self._paused = False
@@ -226,11 +231,17 @@ class EmbeddedServer:
             return await handler(request)
         except BadRequest as e:
             return web.json_response(error_body(e), status=400)
+        except QueueFull as e:  # SGLang's HTTPException(503) through its handler
+            return web.json_response(http_error_body(str(e), 503), status=503)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as e:  # SGLang's ErrorResponse for Starlette's
             return web.json_response({"object": "error", "message": e.reason, "type": str(e.status),
                                       "param": None, "code": e.status}, status=e.status)
         except web.HTTPException:
             raise
+        except RecursionError:  # a client's nesting too deep for some reader: one line, not a traceback each time
+            logger.warning("%s failed: RecursionError (a value nested too deep)", request.path)
+            return web.json_response(handler_error_body("RecursionError: a value in the body is nested too deep"),
+                                     status=400)
         except Exception as e:  # noqa: BLE001 - a handler error answers 400 and the server keeps serving
             logger.exception("%s failed", request.path)
             return web.json_response(handler_error_body(f"{type(e).__name__}: {e}"), status=400)
@@ -242,6 +253,11 @@ class EmbeddedServer:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise BadRequest(f"invalid JSON body: {e}") from None
+        except RecursionError:  # SGLang (FastAPI): "There was an error parsing the body", 400, nothing logged
+            raise BodyUnparsable(f"{UNPARSABLE}: JSON nested deeper than the parser's limit; flatten it") from None
+        except ValueError:  # an integer of more than 4300 digits (Python's int limit)
+            raise BodyUnparsable(f"{UNPARSABLE}: an integer of more than 4300 digits; send a shorter "
+                                 "number") from None
         if not isinstance(body, (dict, list)):
             raise BadRequest("JSON body must be an object")
         return body
@@ -286,34 +302,57 @@ class EmbeddedServer:
                                 "/resume_memory_occupation before generating")
 
     def _claim_rids(self, rids: list[str]) -> None:
-        dup = next((r for i, r in enumerate(rids) if r in self._rids or r in rids[:i]), None)
-        if dup is not None:
-            raise ValueRejected(f"Duplicate request ID detected: {dup}")
-        self._rids.update(rids)
+        seen: set[str] = set()
+        for r in rids:  # linear: a body's rids against each other and the open ones
+            if r in self._rids or r in seen:
+                raise ValueRejected(f"Duplicate request ID detected: {r}")
+            seen.add(r)
+        self._rids.update(seen)
+
+    def _queue_room(self) -> Optional[int]:
+        """How many more requests SGLang's waiting queue would take (--max-queued-requests); None: no bound."""
+        if self.max_queued_requests is None:
+            return None
+        return max(0, self.max_queued_requests - self.engine.num_waiting - self._held)
 
     async def submit(self, reqs: list[tuple[GenRequest, Options]], stream: bool = False) -> list[Tracked]:
         """Wait while paused, then hand the requests to the engine. max_new_tokens 0 is SGLang's prefill-only
-        request: scored in one forward when it asks prompt logprobs or routes, else finished at once."""
-        await self._unpaused.wait()  # new requests wait while generation is paused
+        request: one forward over the prompt (its KV cached, prompt logprobs or routes where asked), no sample.
+
+        Past --max-queued-requests, SGLang's refusal: a whole non-streaming body is answered 503 before anything
+        runs; a stream's requests past the room finish at once as aborted with status_code 503 (SGLang's
+        per-request abort) and the others run."""
+        room = self._queue_room()
+        if room is not None and len(reqs) > room and not stream:
+            raise QueueFull(QUEUE_FULL)
+        full = set() if room is None else {id(r) for r, _ in reqs[room:]}
+        if len(full) < len(reqs):  # a stream refused whole is answered at once, even while paused
+            self._held += len(reqs) - len(full)
+            try:
+                await self._unpaused.wait()  # new requests wait while generation is paused
+            finally:
+                self._held -= len(reqs) - len(full)
         if self._closing:
             raise web.HTTPServiceUnavailable(text="server shutting down")
         self._refuse_if_released()
         loop = asyncio.get_running_loop()
         tracked = [Tracked(r, o, loop) for r, o in reqs]
+        for t in tracked:
+            if id(t.req) in full:
+                t.req.finish_reason = {"type": "abort", "status_code": 503, "message": QUEUE_FULL}
+                t.done.set_result(t.req)
+        tracked_all, tracked = tracked, [t for t in tracked if id(t.req) not in full]
         scored = []
         for t in tracked:
             if stream:
                 t.stream()
             if t.req.max_new_tokens > 0:
                 self.engine.add_request(t.req)
-            elif t.req.logprob_start_len >= 0 or t.req.return_routed_experts:
+            else:  # SGLang prefills every max_new_tokens 0 request (its KV goes into the radix cache)
                 scored.append(t.req)
-            else:
-                t.req.finish_reason = {"type": "length", "length": 0}
-                t.done.set_result(t.req)
         if scored:
             self.engine.score(scored)
-        return tracked
+        return tracked_all
 
     async def run_all(self, reqs: list[tuple[GenRequest, Options]],
                       body_fn: Optional[Callable[[Tracked], Any]] = None) -> list[Any]:

@@ -27,6 +27,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "(default: the model directory's parent)")
     p.add_argument("--api-key", default=os.environ.get("MEGA_ASYNC_API_KEY"))
     p.add_argument("--max-running-requests", type=int, default=64)
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="SGLang's flag: requests waiting beyond the running ones are refused past this many (503 "
+                        "'The request queue is full.'); default none, as SGLang")
+    p.add_argument("--max-requests-per-body", type=int, default=1 << 14,
+                   help="most generations (prompts x sampling_params.n) one /generate or OpenAI body may ask; more "
+                        "is refused with 400 (SGLang has no such bound)")
     p.add_argument("--random-seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice); give each of N servers on one host cores/N")
@@ -59,6 +65,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (Path(args.model) / "config.json").exists():
         raise SystemExit(f"--model {args.model}: no config.json there; pass an HF-format model directory")
+    if args.max_queued_requests is not None and args.max_queued_requests < 0:
+        raise SystemExit(f"--max-queued-requests {args.max_queued_requests}: must be at least 0 (leave it out for "
+                         "no bound)")
+    if args.max_requests_per_body < 1:
+        raise SystemExit(f"--max-requests-per-body {args.max_requests_per_body}: must be at least 1")
     if args.prefix_cache_tokens < 0:
         raise SystemExit(f"--prefix-cache-tokens {args.prefix_cache_tokens}: must be at least 0 (0 disables it)")
     if untested_reason(args.sglang_version):
@@ -73,7 +84,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                             enable_return_routed_experts=args.enable_return_routed_experts,
                             served_model_name=args.served_model_name, sglang_version=args.sglang_version,
                             enable_memory_saver=args.enable_memory_saver,
-                            enable_custom_logit_processor=args.enable_custom_logit_processor)
+                            enable_custom_logit_processor=args.enable_custom_logit_processor,
+                            max_queued_requests=args.max_queued_requests,
+                            max_requests_per_body=args.max_requests_per_body)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
     web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True,

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from mega_async.inference.server.detokenize import StopMatcher
 from mega_async.inference.server.prefix_cache import (KVSource, Lock, Match, RadixCache, plan_round, row_source,
                                                       stack_prefixes)
 from mega_async.inference.server.routing import RouteRecorder
@@ -67,6 +68,7 @@ class GenRequest:
     on_step: Optional[Callable[["GenRequest"], None]] = None
     generator: Optional[torch.Generator] = None
     radix_lock: Optional[Lock] = None  # the radix-cache path this request's KV came from / went into
+    stop_matcher: Any = None  # its stop strings' incremental matcher (engine thread)
 
     @property
     def seq(self) -> list[int]:
@@ -173,8 +175,10 @@ class GenerationEngine:
 
     def _score(self, reqs: list[GenRequest]) -> None:
         """Prefill-only requests go through the prefill path (matched in the radix cache, their KV inserted,
-        as SGLang's), which finishes them without sampling."""
-        self._start([(r, self._match(r) if self.prefix_cache.enabled else None) for r in reqs])
+        as SGLang's), which finishes them without sampling; at most max_batch_size rows a forward."""
+        for k in range(0, len(reqs), self.max_batch_size):
+            self._start([(r, self._match(r) if self.prefix_cache.enabled else None)
+                         for r in reqs[k:k + self.max_batch_size]])
 
     def pause(self, mode: str) -> concurrent.futures.Future:
         """Pause on the engine thread: abort answers every request; retract drops their KV and requeues them
@@ -529,12 +533,10 @@ class GenerationEngine:
         reason = None
         if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
             reason = {"type": "stop", "matched": tok}
-        elif r.stop and self.tokenizer is not None:
-            # every token decodes to at least one byte, so the last (longest stop in bytes + 1) tokens hold
-            # any match that ends in the newest token (an earlier match would have stopped earlier)
-            window = max(len(s.encode("utf-8")) for s in r.stop) + 1
-            text = self.tokenizer.decode(r.output_ids[-window:])
-            hit = next((s for s in r.stop if s in text), None)
+        elif r.stop and self.tokenizer is not None:  # bounded work per token (detokenize.StopMatcher)
+            if r.stop_matcher is None:
+                r.stop_matcher = StopMatcher(self.tokenizer, r.stop)
+            hit = r.stop_matcher.step(r.output_ids)
             if hit is not None:
                 reason = {"type": "stop", "matched": hit}
         if reason is None and len(r.output_ids) >= r.max_new_tokens:

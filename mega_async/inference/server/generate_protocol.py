@@ -36,6 +36,8 @@ FLOATS = {"temperature": 1.0, "top_p": 1.0, "min_p": 0.0, "frequency_penalty": 0
 INTS = {"max_new_tokens": 128, "top_k": -1, "min_new_tokens": 0, "n": 1, "stream_interval": 1, "sampling_seed": None}
 BOOLS = {"ignore_eos": False, "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False}
 TOP_K_ALL = 1 << 30  # SGLang's default top_k: no truncation
+MAX_STOP_COUNT = 32  # SGLang 0.5.20+ (sampling_params.py)
+MAX_STOP_CHARS = 4096  # this server's: characters of all stop strings of a request together
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class GenerateLimits:
     max_new_tokens_cap: int
     tokenizer: Any = None
     max_token_chars: int = 64  # longest vocabulary entry in characters: bounds a text's token count from below
+    max_requests_per_body: int = 1 << 14  # prompts x n of one body (SGLang has no such bound; see README)
 
 
 @dataclass
@@ -140,10 +143,22 @@ def parse_sampling(sp: Any) -> dict:
     bias = sp.get("logit_bias") or {}
     _expect(isinstance(bias, dict), bias, "a map", "logit_bias")
     out["logit_bias"] = _logit_bias(bias)
+    _check_stops(stop)
     out["stop"], out["stop_token_ids"] = [s for s in stop if s], set(ids)
     out["custom_params"] = sp.get("custom_params")  # any JSON (SGLang's schema: Optional[Any]), passed through
     _check_values(out)
     return out
+
+
+def _check_stops(stop: list[str]) -> None:
+    """SGLang 0.5.20+'s bound on their number (its message), and this server's on their total length: the
+    per-token check searches the output's tail as long as the longest one (SGLang bounds no length)."""
+    if len(stop) > MAX_STOP_COUNT:
+        raise ValueRejected(f"at most {MAX_STOP_COUNT} stop strings are allowed, got {len(stop)}")
+    total = sum(len(s) for s in stop)
+    if total > MAX_STOP_CHARS:
+        raise ValueRejected(f"sampling_params.stop: {total} characters of stop strings, more than the "
+                            f"{MAX_STOP_CHARS} this server allows a request; use shorter stop strings")
 
 
 def _logit_bias(bias: dict) -> dict[int, float]:
@@ -239,27 +254,34 @@ def parse_generate(body: dict, prompts: list[list[int]], is_batch: bool, lim: Ge
     rid = body.get("rid")
     if isinstance(rid, list) and len(rid) != len(prompts):
         raise ValueRejected(f"{len(rid)} rids for {len(prompts)} prompts")
-    out = []
+    shared = None if isinstance(sps, list) else parse_sampling(sps)  # one sampling_params for every prompt
+    per_prompt = []  # (request fields, options fields, n) of each prompt: every prompt is checked once, not n times
     for i, ids in enumerate(prompts):
-        sp = parse_sampling(sps[i] if isinstance(sps, list) else sps)
-        n = sp["n"]
-        for j in range(n):
-            k = i * n + j
-            out.append(_one(body, i, check_ids(ids, lim), sp, _rid(rid, i, j, k, is_batch, n), lim,
-                            routed_experts_enabled))
+        sp = shared if shared is not None else parse_sampling(sps[i])
+        per_prompt.append(_prompt_fields(body, i, check_ids(ids, lim), sp, lim, routed_experts_enabled))
+    total = sum(n for _, _, n in per_prompt)
+    if total > lim.max_requests_per_body:
+        raise ValueRejected(f"this body asks {total} generations (prompts x sampling_params.n), more than this "
+                            f"server's limit of {lim.max_requests_per_body} per request (--max-requests-per-body): "
+                            "send them in several requests")
+    out = []
+    base = uuid.uuid4().int  # no rid: a uuid4 for the first request, the next ones counted from it (one draw)
+    for i, (req_fields, opt_fields, n) in enumerate(per_prompt):
+        for j in range(n):  # the n samples share the prompt's token list (nothing writes to input_ids)
+            r = f"{(base + len(out)) % (1 << 128):032x}" if rid is None else _rid(rid, i, j, i * n + j, is_batch, n)
+            out.append((GenRequest(rid=r, **req_fields), Options(**opt_fields)))
     return out
 
 
 def _rid(rid: Any, i: int, j: int, k: int, is_batch: bool, n: int) -> str:
-    if rid is None:
-        return uuid.uuid4().hex
     if isinstance(rid, list):
         return str(rid[i]) if n == 1 else f"{rid[i]}-{j}"
     return str(rid) if not is_batch and n == 1 else f"{rid}-{k}"
 
 
-def _one(body: dict, i: int, ids: list[int], sp: dict, rid: str, lim: GenerateLimits,
-         routed: bool) -> tuple[GenRequest, Options]:
+def _prompt_fields(body: dict, i: int, ids: list[int], sp: dict, lim: GenerateLimits,
+                   routed: bool) -> tuple[dict, dict, int]:
+    """One prompt's checks, and the fields of its GenRequests and Options (all but the rid) and its n."""
     max_new = sp["max_new_tokens"]
     if max_new > lim.max_new_tokens_cap or len(ids) + max_new > lim.max_context:
         raise ValueRejected(f"The input ({len(ids)} tokens) plus max_new_tokens ({max_new}) is longer than the "
@@ -278,21 +300,21 @@ def _one(body: dict, i: int, ids: list[int], sp: dict, rid: str, lim: GenerateLi
         start = -1
     if top_n < 0:
         raise ValueRejected(f"top_logprobs_num must be at least 0, got {top_n}")
-    req = GenRequest(
-        rid=rid, input_ids=list(ids), max_new_tokens=max_new, temperature=sp["temperature"], top_p=sp["top_p"],
+    req = dict(
+        input_ids=ids, max_new_tokens=max_new, temperature=sp["temperature"], top_p=sp["top_p"],
         top_k=-1 if sp["top_k"] >= TOP_K_ALL else sp["top_k"], stop_token_ids=sp["stop_token_ids"], stop=sp["stop"],
         ignore_eos=sp["ignore_eos"], min_p=sp["min_p"], min_new_tokens=sp["min_new_tokens"],
         frequency_penalty=sp["frequency_penalty"], presence_penalty=sp["presence_penalty"],
         repetition_penalty=sp["repetition_penalty"], logit_bias=sp["logit_bias"], sampling_seed=sp["sampling_seed"],
         logprob_start_len=start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
         return_routed_experts=want_routes)
-    opts = Options(return_logprob=ret_lp, return_text_in_logprobs=_top_bool(body, "return_text_in_logprobs"),
-                   skip_special_tokens=sp["skip_special_tokens"],
-                   spaces_between_special_tokens=sp["spaces_between_special_tokens"], no_stop_trim=sp["no_stop_trim"],
-                   stream_interval=sp["stream_interval"],
-                   routed_experts_start_len=_top_int(body, "routed_experts_start_len", 0),
-                   extra={"custom_params": sp["custom_params"]} if sp["custom_params"] is not None else {})
-    return req, opts
+    opts = dict(return_logprob=ret_lp, return_text_in_logprobs=_top_bool(body, "return_text_in_logprobs"),
+                skip_special_tokens=sp["skip_special_tokens"],
+                spaces_between_special_tokens=sp["spaces_between_special_tokens"], no_stop_trim=sp["no_stop_trim"],
+                stream_interval=sp["stream_interval"],
+                routed_experts_start_len=_top_int(body, "routed_experts_start_len", 0),
+                extra={"custom_params": sp["custom_params"]} if sp["custom_params"] is not None else {})
+    return req, opts, sp["n"]
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -13,12 +13,14 @@ import asyncio
 import json
 import time
 import uuid
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any, Optional
 
 from aiohttp import web
 
+from mega_async.inference.server.detokenize import StreamedText
 from mega_async.inference.server.generate_protocol import check_text, output_text
-from mega_async.inference.server.protocol import BadRequest, clean, validate_openai
+from mega_async.inference.server.protocol import BadRequest, BodyUnparsable, clean, error_body, validate_openai
 
 if TYPE_CHECKING:
     from mega_async.inference.server.app import EmbeddedServer, Tracked
@@ -146,6 +148,8 @@ class OpenAIEndpoints:
             prompts = [await self._chat_prompt(req)] if chat else await self._completion_prompts(req)
             body = self._generate_body(req, prompts, chat)
             reqs, _ = await self.s.prepare(body)
+        except BodyUnparsable as e:  # FastAPI's HTTPException in SGLang: its ErrorResponse, type "400"
+            return web.json_response(error_body(e), status=400)
         except BadRequest as e:
             return error_response(str(e))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
@@ -224,40 +228,64 @@ class OpenAIEndpoints:
                          "choices": [choice] if choice else [], "usage": usage_}
                 await resp.write(b"data: " + json.dumps(clean(chunk)).encode() + b"\n\n")
 
-            sent_tok, sent_text = [0] * len(tracked), [""] * len(tracked)
+            sent_tok = [0] * len(tracked)
+            tok = self.s.tokenizer
+            texts = [StreamedText(tok, t.opts.skip_special_tokens, t.opts.spaces_between_special_tokens, t.req.stop)
+                     if tok is not None else None for t in tracked]
             if chat:
                 for i in range(len(tracked)):
                     await send({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None})
-            while True:
+            going = True
+            while going:
                 for i, t in enumerate(tracked):
-                    await self._stream_delta(send, i, t, req, chat, sent_tok, sent_text)
+                    going = going and await self._stream_delta(send, resp, i, t, req, chat, sent_tok, texts)
                 if all(t.done.done() and sent_tok[i] < 0 for i, t in enumerate(tracked)):
                     break
-                await self.s.next_change(tracked)
+                if going:
+                    await self.s.next_change(tracked)
             if (req.get("stream_options") or {}).get("include_usage"):
                 await send({}, usage(tracked, n=(req.get("n") or 1)))
             await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def _stream_delta(self, send: Any, i: int, t: "Tracked", req: dict, chat: bool, sent_tok: list,
-                            sent_text: list) -> None:
+    def _held_stop_token(self, r: Any, n: int) -> bool:
+        """The newest token may be the stop token the finished text drops: a running stream waits for it."""
+        t = r.output_ids[n - 1] if n else None
+        return t is not None and (t in r.stop_token_ids or (not r.ignore_eos and t in self.s.engine.eos_ids))
+
+    async def _stream_delta(self, send: Any, resp: web.StreamResponse, i: int, t: "Tracked", req: dict, chat: bool,
+                            sent_tok: list, texts: list) -> bool:
+        """Send choice i's new text and tokens, if any. The text is decoded incrementally (each token a bounded
+        number of times, detokenize.py), and what was sent concatenates to the non-streaming text. False: the
+        stream ends (SGLang's error chunk for an abort with a status code, e.g. the queue being full)."""
         if sent_tok[i] < 0:
-            return
+            return True
         t.changed.clear()
         fin = t.done.done()
         r = t.req
         n = len(r.output_ids)
         if n == sent_tok[i] and not fin:
-            return
-        text = output_text(r, t.opts, self.s.tokenizer) if fin else self.s.tokenizer.decode(
-            r.output_ids[:n], skip_special_tokens=t.opts.skip_special_tokens) if self.s.tokenizer else ""
-        if not fin and text.endswith("\ufffd"):
-            return  # an incomplete UTF-8 sequence: wait for the next token
-        delta = text[len(sent_text[i]):] if text.startswith(sent_text[i]) else text
+            return True
+        fr = (r.finish_reason or {}) if fin else {}
+        if fr.get("type") == "abort" and fr.get("status_code"):
+            code = int(fr["status_code"])
+            err = {"object": "error", "message": fr.get("message") or "Generation aborted.",
+                   "type": HTTPStatus(code).name, "param": None, "code": code}
+            await resp.write(b"data: " + json.dumps({"error": err}).encode() + b"\n\n")
+            sent_tok[i] = -1
+            return False
+        st = texts[i]
+        if st is None:
+            delta = ""
+        elif fin:
+            delta = st.final(output_text(r, t.opts, self.s.tokenizer))
+        else:
+            delta = st.delta(r.output_ids, n - 1 if self._held_stop_token(r, n) else n)
+            if not delta:
+                return True  # an incomplete character or a possible stop string: its tokens go with the next text
         ids, lps = r.output_ids[sent_tok[i]:n], r.output_logprobs[sent_tok[i]:n]
         tops = r.output_top_logprobs[sent_tok[i]:n]
-        fr = (r.finish_reason or {}) if fin else {}
         choice: dict[str, Any] = {"index": i, "finish_reason": fr.get("type"), "matched_stop": fr.get("matched")}
         if chat:
             choice["delta"] = {"content": delta}
@@ -269,7 +297,8 @@ class OpenAIEndpoints:
             if req.get("return_token_ids"):
                 choice["token_ids"] = list(ids)
         await send(choice)
-        sent_tok[i], sent_text[i] = (-1 if fin else n), text
+        sent_tok[i] = -1 if fin else n
+        return True
 
 
 def usage(tracked: list, n: int = 1) -> dict:

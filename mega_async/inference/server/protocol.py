@@ -39,8 +39,27 @@ class ValueRejected(BadRequest):
     """A well-typed value SGLang refuses (out of range, unsupported): `{"error": {"message": msg}}`."""
 
 
+class BodyUnparsable(BadRequest):
+    """JSON that Python's parser gives up on (nesting past its depth, an integer over 4300 digits): FastAPI's
+    HTTPException(400, "There was an error parsing the body") in SGLang, answered with its ErrorResponse."""
+
+
+class QueueFull(Exception):
+    """SGLang's --max-queued-requests refusal: HTTPException(503, "The request queue is full.")."""
+
+
+QUEUE_FULL = "The request queue is full."
+
+
+def http_error_body(msg: str, status: int) -> dict:
+    """SGLang's handler of a FastAPI HTTPException: ErrorResponse with the status as its type."""
+    return {"object": "error", "message": msg, "type": str(status), "param": None, "code": status}
+
+
 def error_body(e: BadRequest) -> dict:
     """SGLang's 400 body for each kind of bad request."""
+    if isinstance(e, BodyUnparsable):
+        return http_error_body(str(e), 400)
     if isinstance(e, ContractError):
         return {"error": str(e)}
     if isinstance(e, ValueRejected):
