@@ -11,13 +11,31 @@ answers again. A server that answers 5xx more than `max_retries` times in a row 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, AsyncIterator, Optional, Sequence
 
 import aiohttp
+
+try:  # SGLang speaks orjson; it is several times faster than json both ways (the same numbers)
+    from orjson import dumps as _orjson_dumps
+    from orjson import loads as _loads
+
+    def _dumps(body: Any) -> bytes:
+        try:
+            return _orjson_dumps(body)
+        except TypeError:  # what orjson does not take (ints beyond 64 bits, ...)
+            return json.dumps(body).encode()
+except ImportError:  # pragma: no cover - optional
+    _loads = json.loads
+
+    def _dumps(body: Any) -> bytes:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 from mega_async.events import NullEventLog
 from mega_async.inference.sglang_releases import BEGIN_TWICE, Release, untested_reason
@@ -115,6 +133,24 @@ def token_versions(spans: Any, n: int, fallback: int) -> list[int]:
 
 
 SETTLE_QUIET_S = 2.0  # settle(): no reply for this long means what is left in flight is held by a paused server
+# idle keep-alive connections are dropped after this, before the server closes them (SGLang's uvicorn: 5 s), so a
+# request never goes out on a connection the server is closing
+KEEPALIVE_S = 4.0
+
+
+async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
+    if isinstance(ctx.trace_request_ctx, dict):
+        ctx.trace_request_ctx["reused"] = True
+
+
+_REUSE = aiohttp.TraceConfig()  # tells _request whether a call went out on a kept-alive connection
+_REUSE.on_connection_reuseconn.append(_on_reuse)
+_REUSE.freeze()
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class SGLangClient:
@@ -146,7 +182,16 @@ class SGLangClient:
         self._version = version if version is not None else WeightVersion()  # read; owned by the weight sync
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self._pause_lock = threading.Lock()
+        self._resumed: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}  # per loop: set by resume()
+        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}  # one per event loop
+        self._keepers: dict[asyncio.AbstractEventLoop, Any] = {}
         self._sticky: dict[str, _Server] = {}
+        self._load: list[tuple[int, int]] = []  # heap of (in_flight, server index); stale entries skipped
+        self._index = {id(s): i for i, s in enumerate(self.servers)}
+        self._suspects: set[int] = set()  # indices of servers this client marked unhealthy (probed until back)
+        self._in_flight = 0  # over every server
+        self._rebuild_load()
 
     @staticmethod
     def _norm(a: str) -> str:
@@ -161,23 +206,96 @@ class SGLangClient:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     async def aclose(self) -> None:
-        """Nothing to release: every call opens and closes its own HTTP session (kept for API symmetry)."""
+        """Close this event loop's HTTP session (a loop's session is also closed when asyncio.run ends it)."""
+        s = self._sessions.pop(asyncio.get_running_loop(), None)
+        keeper = self._keepers.pop(asyncio.get_running_loop(), None)
+        if s is not None:
+            await s.close()
+        if keeper is not None:
+            await keeper.aclose()
+
+    async def _session(self) -> aiohttp.ClientSession:
+        """This event loop's session: its connections are kept alive and reused (a session may not cross loops,
+        and the client is used from the rollout thread, the sync's HTTP thread and short asyncio.run loops)."""
+        loop = asyncio.get_running_loop()
+        s = self._sessions.get(loop)
+        if s is not None and not s.closed:
+            return s
+        for other in [x for x in list(self._sessions) if x.is_closed()]:  # ended without closing its session
+            self._sessions.pop(other).detach()
+            self._keepers.pop(other, None)
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+                                  trace_configs=[_REUSE])
+        self._sessions[loop] = s
+        keeper = self._keep(loop, s)
+        await keeper.asend(None)  # started: the loop's shutdown_asyncgens() (asyncio.run does) closes the session
+        self._keepers[loop] = keeper
+        return s
+
+    async def _keep(self, loop: asyncio.AbstractEventLoop, s: aiohttp.ClientSession) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if self._sessions.get(loop) is s:
+                del self._sessions[loop]
+                self._keepers.pop(loop, None)
+            await s.close()
 
     async def _request(self, method: str, server: _Server, path: str, body: Any = None,
                        timeout: Optional[float] = None) -> tuple[int, Any]:
-        # A session per call: the client is used from several event loops (rollout thread, trainer
-        # thread) and a session may not cross loops; on loopback/LAN a new connection costs ~1 ms.
         kw: dict[str, Any] = {"headers": self._headers()}
         if body is not None:
-            kw["json"] = body
-        t = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout)
-        async with aiohttp.ClientSession(timeout=t) as session:
-            async with session.request(method, server.address + path, **kw) as r:
-                if r.content_type == "application/json":
-                    return r.status, await r.json()
-                return r.status, await r.text()
+            kw["data"] = _dumps(body)
+            kw["headers"]["Content-Type"] = "application/json"
+        kw["timeout"] = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout)
+        session = await self._session()
+        for attempt in (0, 1):
+            seen: dict = {}
+            try:
+                async with session.request(method, server.address + path, trace_request_ctx=seen, **kw) as r:
+                    if r.content_type == "application/json":
+                        return r.status, await r.json(loads=_loads)
+                    return r.status, await r.text()
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # a kept-alive connection the server closed meanwhile (idle past its keep-alive while this loop
+                # was busy): the request never reached it, so it goes again once on a new connection
+                if attempt or not seen.get("reused") or isinstance(e, aiohttp.ClientConnectorError):
+                    raise
+        raise AssertionError("unreachable")
 
     # ---- server choice and health ----------------------------------------------------------
+    def _rebuild_load(self) -> None:
+        self._index = {id(s): i for i, s in enumerate(self.servers)}
+        self._load = [(s.in_flight, i) for i, s in enumerate(self.servers) if s.healthy]
+        heapq.heapify(self._load)
+
+    def _count(self, s: _Server, delta: int) -> None:
+        """A request starts (+1) or ends (-1) on s: the least-loaded heap gets s's new load."""
+        s.in_flight += delta
+        self._in_flight += delta
+        self._push(s)
+        if len(self._load) > 4 * len(self.servers) + 64:  # drop the stale entries now and then: O(1) amortized
+            self._rebuild_load()
+
+    def _push(self, s: _Server) -> None:
+        i = self._index.get(id(s))
+        if i is not None:
+            heapq.heappush(self._load, (s.in_flight, i))
+
+    def _least_loaded(self) -> Optional[_Server]:
+        """The healthy server with the fewest requests in flight (the first one on a tie), in O(log N)."""
+        h, servers = self._load, self.servers
+        while h:
+            n, i = h[0]
+            s = servers[i] if i < len(servers) else None
+            if s is not None and s.healthy and s.in_flight == n:
+                return s
+            heapq.heappop(h)
+        if len(self._index) != len(self.servers) or any(s.healthy for s in self.servers):
+            self._rebuild_load()  # servers changed, or one was re-admitted from outside: look again, once
+            return min((s for s in self.servers if s.healthy), key=lambda x: x.in_flight, default=None)
+        return None
+
     async def _probe(self, s: _Server) -> bool:
         s.last_probe = time.monotonic()
         try:
@@ -187,6 +305,8 @@ class SGLangClient:
         if status == 200 and not s.healthy and s.dropped is None:
             logger.info("server %s is healthy again; re-admitted", s.address)
             s.healthy, s.failures = True, 0
+            self._suspects.discard(self._index.get(id(s), -1))
+            self._push(s)
         return status == 200
 
     def _drop(self, s: _Server, why: str) -> None:
@@ -194,6 +314,7 @@ class SGLangClient:
             logger.error("server %s dropped: %s", s.address, why)
             s.dropped = why
         s.healthy = False
+        self._suspects.discard(self._index.get(id(s), -1))
 
     def _no_server_error(self, waited: Optional[float]) -> NoHealthyServerError:
         why = "; ".join(f"{s.address}: {s.dropped or 'unreachable'}" for s in self.servers)
@@ -205,25 +326,37 @@ class SGLangClient:
             logger.warning("server %s marked unhealthy: %s", s.address, why)
         s.healthy = False
         s.last_probe = time.monotonic()
+        if s.dropped is None:
+            self._suspects.add(self._index.get(id(s), -1))
 
     async def _choose(self, rid: Optional[str]) -> _Server:
+        """The request's sticky server, else the least loaded healthy one. Servers this client marked unhealthy
+        are probed (at most once per health_check_interval each) on the way; with none healthy it waits up
+        to `unhealthy_timeout`, probing every server that is not dropped. O(log N) while all is well."""
         deadline = time.monotonic() + self.unhealthy_timeout
         while True:
             now = time.monotonic()
+            if self._suspects:
+                stale = [self.servers[i] for i in list(self._suspects) if 0 <= i < len(self.servers)
+                         and now - self.servers[i].last_probe >= self.health_check_interval]
+                if stale:
+                    await asyncio.gather(*(self._probe(s) for s in stale))
+            s = self._sticky.get(rid) if rid else None
+            if s is not None and s.healthy:
+                return s
+            s = self._least_loaded()
+            if s is not None:
+                if rid:
+                    self._sticky[rid] = s
+                return s
             if all(s.dropped for s in self.servers):
                 raise self._no_server_error(None)
-            stale = [s for s in self.servers
+            stale = [s for s in self.servers  # none usable: probe every server that is not dropped
                      if not s.healthy and not s.dropped and now - s.last_probe >= self.health_check_interval]
             if stale:
                 await asyncio.gather(*(self._probe(s) for s in stale))
-            healthy = [s for s in self.servers if s.healthy]
-            if healthy:
-                s = self._sticky.get(rid) if rid else None
-                if s is None or not s.healthy:
-                    s = min(healthy, key=lambda x: x.in_flight)
-                    if rid:
-                        self._sticky[rid] = s
-                return s
+                if any(s.healthy for s in stale):
+                    continue
             if time.monotonic() >= deadline:
                 raise self._no_server_error(self.unhealthy_timeout)
             await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
@@ -235,7 +368,7 @@ class SGLangClient:
         first_rid = payload["rid"]
         while True:
             s = await self._choose(rid)
-            s.in_flight += 1
+            self._count(s, 1)
             try:
                 payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
                 status, body = await self._request("POST", s, "/generate", payload)
@@ -246,7 +379,7 @@ class SGLangClient:
                 await asyncio.sleep(self.retry_backoff * min(attempt, 10))
                 continue
             finally:
-                s.in_flight -= 1
+                self._count(s, -1)
             if status >= 500:
                 s.failures += 1
                 attempt += 1
@@ -263,8 +396,16 @@ class SGLangClient:
 
     # ---- generation ------------------------------------------------------------------------
     async def _wait_unpaused(self) -> None:
+        """Until resume(): every request of a loop waits on one future that resume() sets (no polling)."""
         while not self._unpaused.is_set():
-            await asyncio.sleep(0.01)
+            loop = asyncio.get_running_loop()
+            with self._pause_lock:
+                if self._unpaused.is_set():
+                    return
+                fut = self._resumed.get(loop)
+                if fut is None or fut.done():
+                    fut = self._resumed[loop] = loop.create_future()
+            await asyncio.shield(fut)  # a cancelled waiter leaves the shared future to the others
 
     async def agenerate(self, req: ModelRequest, resume: Optional[ModelResponse] = None) -> ModelResponse:
         """Generate until stop or `max_new_tokens`, across interruptions. `resume`: a partial response of this
@@ -336,7 +477,12 @@ class SGLangClient:
         self._unpaused.clear()
 
     def resume(self) -> None:
-        self._unpaused.set()
+        with self._pause_lock:
+            self._unpaused.set()
+            waiting, self._resumed = self._resumed, {}
+        for loop, fut in waiting.items():
+            with contextlib.suppress(RuntimeError):  # that loop has ended meanwhile
+                loop.call_soon_threadsafe(_wake, fut)
 
     def settle(self, timeout: float, quiet: float = SETTLE_QUIET_S) -> int:
         """After the servers paused (abort mode): block until every aborted request's partial output has come
@@ -346,7 +492,7 @@ class SGLangClient:
         counters only). Returns how many requests are still in flight."""
         deadline, last = time.monotonic() + timeout, None
         while True:
-            n = sum(s.in_flight for s in self.servers)
+            n = self._in_flight
             now = time.monotonic()
             if n != last:
                 last, changed = n, now
@@ -393,7 +539,7 @@ class SGLangClient:
         """Until no request of this client is in flight (rollout.interrupt=none: generation finishes before the
         servers pause; new requests are held by `pause()` meanwhile). Raises ServerError after `timeout`."""
         deadline = time.monotonic() + timeout
-        while (n := sum(s.in_flight for s in self.servers)):
+        while (n := self._in_flight):
             if time.monotonic() > deadline:
                 raise ServerError(f"{n} requests still in flight after {timeout:g}s (rollout.interrupt=none "
                                   "waits for them before pausing; raise trainer.sync_timeout)")
@@ -519,9 +665,10 @@ class SGLangClient:
         for e in errors:
             logger.warning("closing a weight-update session: %s", e)
 
-    async def _control(self, s: _Server, path: str, body: dict, timeout: Optional[float]) -> tuple[int, Any]:
+    async def _control(self, s: _Server, path: str, body: Optional[dict], timeout: Optional[float],
+                       method: str = "POST") -> tuple[int, Any]:
         try:
-            return await self._request("POST", s, path, body, timeout=timeout)
+            return await self._request(method, s, path, body, timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
             raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
@@ -550,6 +697,16 @@ class SGLangClient:
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False)
+
+    async def server_info(self, timeout: Optional[float] = None) -> list[dict]:
+        """Every server's GET /server_info (raises ServerError)."""
+        async def one(s: _Server) -> dict:
+            status, out = await self._control(s, "/server_info", None, timeout, method="GET")
+            if status != 200 or not isinstance(out, dict):
+                raise ServerError(f"{s.address}/server_info answered {status}: {_error_message(out)}")
+            return out
+
+        return list(await asyncio.gather(*(one(s) for s in self.servers)))
 
     async def model_info(self) -> list[dict]:
         async def one(s: _Server) -> dict:

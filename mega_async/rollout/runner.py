@@ -79,6 +79,7 @@ class AsyncTaskRunner:
                 t.cancel()
             if self._tasks:
                 loop.run_until_complete(asyncio.gather(*self._tasks, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())  # e.g. the client's HTTP session on this loop
             loop.close()
             self._loop_running = False
 

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--failure-seed", type=int, default=0)
     ap.add_argument("--config-json", default=None, help="FleetConfig fields as JSON (flags override)")
     ap.add_argument("--log-level", default="WARNING")
+    ap.add_argument("--log-dir", default=None, help="each worker process logs to <dir>/fleet<k>.log")
     # worker mode (started by Fleet): serve a slice of the servers, print one JSON ready line
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--servers", default=None, help=argparse.SUPPRESS)
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
             events = random_schedule(args.num_servers, args.failure_seed, args.failure_window,
                                      parse_fractions(args.failures), args.failure_duration)
         fleet = Fleet(args.num_servers, cfg, procs=args.procs, host=args.host, base_port=args.base_port,
-                      schedule=events)
+                      schedule=events, log_dir=args.log_dir)
     except (ValueError, OSError) as e:
         ap.error(str(e))
     stop = threading.Event()

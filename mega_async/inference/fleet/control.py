@@ -250,7 +250,7 @@ async def from_distributed(s: "SimServer", request: web.BaseRequest) -> Reply:
             s.counters["bucket_bytes"] += nbytes
         if v is not None:
             s.set_version(str(v))
-        if body.get("flush_cache", True) and names and not s.flush():
+        if body.get("flush_cache", True) and not s.flush():
             return {"success": False, "message": FLUSH_REFUSED}, 400
         return {"success": True, "message": "Succeeded to update parameter online." + _version_note(v)}, 200
 

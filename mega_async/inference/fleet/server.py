@@ -21,6 +21,7 @@ import uuid
 from typing import Any, Awaitable, Callable, Optional
 
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
 from mega_async.inference.fleet import control
 from mega_async.inference.fleet.model import FleetConfig, TokenModel, version_number
@@ -41,6 +42,25 @@ logger = logging.getLogger("mega_async.inference.fleet")
 
 MAX_CONTINUATIONS = 1 << 18
 _EPS = 1e-6
+
+
+class _Handler(RequestHandler):
+    """A connection: as uvicorn (SGLang's HTTP server), an idle connection is closed `keepalive_s` after a
+    response, never before its first request (aiohttp would close it keepalive_s after the connect)."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._manager.sim.counters["connections"] += 1  # type: ignore[union-attr]
+        if self._keepalive_handle is not None:
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+
+
+class _HTTPServer(web.Server):
+    sim: "SimServer"
+
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
 
 
 class BadRequest(Exception):
@@ -142,8 +162,9 @@ class SimServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         self.port = sock.getsockname()[1]
-        self._http = web.Server(self._handle, handler_cancellation=True, request_factory=self._make_request,
+        self._http = _HTTPServer(self._handle, handler_cancellation=True, request_factory=self._make_request,
                                 keepalive_timeout=self.cfg.keepalive_s, access_log=None)
+        self._http.sim = self
         self._srv = await loop.create_server(self._http, sock=sock, backlog=4096)
         self.crashed = False
 
@@ -361,6 +382,8 @@ class SimServer:
     def finish(self, r: SimRequest, abort: Optional[str]) -> None:
         """Answer r: complete (abort None) or aborted with its partial output (the caller advanced the clock)."""
         n = self.produced(r)
+        if abort is not None and n >= r.target > 0:
+            abort = None  # it had made all its tokens (its finish was due): it finishes, as on SGLang
         was_running = r.running
         r.base, r.running = n, False
         self.running.pop(r.rid, None)

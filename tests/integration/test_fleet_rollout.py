@@ -1,0 +1,135 @@
+"""Our real client, executor and sync pause bracket drive 8 simulated fleet servers: a few hundred episodes with
+weight syncs in the middle, none lost or trained twice, every token labelled with the version that made it
+(the fleet's logprobs encode it), within max_staleness. Cheap: the fleet runs in a thread of this process."""
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+
+from mega_async.inference.client import SGLangClient
+from mega_async.inference.fleet import Fleet, FleetConfig
+from mega_async.rollout.executor import WorkflowExecutor
+from mega_async.rollout.workflow import RLVRWorkflow
+from mega_async.trainer.sync import RolloutSide, WeightSync
+from mega_async.types import ModelRequest, WeightVersion
+
+ETA, B = 2, 48
+
+
+class ControlPlaneSync(WeightSync):
+    """The distributed sync's control messages (session, one bucket, commit, end), no broadcast."""
+
+    def _update(self, target):
+        c, t = self.rollout.client, self.timeout
+        self._loop.run(c.begin_weight_update(timeout=t), t)
+        self._loop.run(c.update_weights_from_distributed(["w"], ["bfloat16"], [[8, 8]], "g", timeout=t,
+                                                         load_format="flattened_bucket", flush_cache=False), t)
+        self._loop.run(c.update_weights_from_distributed([], [], [], "g", version=target, timeout=t,
+                                                         flush_cache=self.flush_cache), t)
+        self._loop.run(c.end_weight_update(timeout=t), t)
+
+
+class Tagged(RLVRWorkflow):
+    async def arun_episode(self, engine, data):
+        out = await super().arun_episode(engine, data)
+        out["uid"] = data["uid"]
+        return out
+
+
+async def one_reward(prompt, completion, **item):
+    return 1.0
+
+
+@pytest.fixture
+def fleet():
+    cfg = FleetConfig(length_median=30, length_sigma=1.0, token_latency_s=0.002, batch_latency_s=1e-4, ttft_s=0.005,
+                      load_s=0.0)
+    with Fleet(8, cfg, in_thread=True) as f:
+        yield f
+
+
+@pytest.mark.parametrize("interrupt", ["abort", "retract"])
+def test_episodes_across_syncs_keep_their_versions(fleet, interrupt):
+    version = WeightVersion()
+    client = SGLangClient(fleet.addresses, version=version)
+    ex = WorkflowExecutor(client, Tagged(one_reward, max_new_tokens=120, stop_token_ids=[2]), consumer_batch_size=B,
+                          max_staleness=ETA, version=version)
+    sync = ControlPlaneSync([], version, RolloutSide(client, ex), timeout=30, interrupt=interrupt)
+    sync._loop.run(client.init_weights_update_group("127.0.0.1", 1, "g", timeout=30), 30)
+    state0 = {s["index"]: s["counters"] for s in fleet.state()}
+    items = iter({"uid": k, "input_ids": [k % 97 + 3, k % 89 + 5, 7, k]} for k in range(10_000))
+    seen, labels, spans = set(), 0, 0
+    with ex, contextlib.closing(sync):
+        for step in range(4):
+            batch = ex.prepare_batch(items)
+            for traj in batch:
+                assert traj["uid"] not in seen  # nobody is trained twice
+                seen.add(traj["uid"])
+                m = traj["loss_mask"][0].bool()
+                v, lp = traj["versions"][0][m], traj["logprobs"][0][m]
+                assert torch.equal(torch.floor(-lp).long(), v)  # each token's label is what made it
+                assert int(v.min()) >= version.value - ETA and bool((v[1:] >= v[:-1]).all())
+                labels += v.numel()
+                spans += int(v.numel() and int(v.min()) != int(v.max()))
+            sync.push()
+        st = ex.stats
+    assert version.value == 4 and len(seen) == 4 * B and labels > 1000
+    assert spans > 0  # some episodes were interrupted by a sync and went on under the new weights
+    assert st["failed"] == st["rejected"] == 0
+    counters = {s["index"]: s["counters"] for s in fleet.state()}
+    interrupted = sum(c.get("aborted", 0) - state0[i].get("aborted", 0) for i, c in counters.items())
+    assert (interrupted > 0) == (interrupt == "abort")
+    assert all(s["session"] is None and s["version"] == "4" for s in fleet.state())
+
+
+def test_held_requests_wait_on_one_future_not_a_timer_each(fleet):
+    """While the client is paused, held requests cost nothing: no per-request polling timer (they used to wake
+    every 10 ms each, which starved the sync's own HTTP thread at thousands of requests in flight)."""
+    client = SGLangClient(fleet.addresses)
+
+    async def main():
+        client.pause()
+        tasks = [asyncio.ensure_future(client.agenerate(ModelRequest([1, 2, i], max_new_tokens=4)))
+                 for i in range(200)]
+        await asyncio.sleep(0.1)
+        timers = len(asyncio.get_running_loop()._scheduled)  # noqa: SLF001 - the loop's pending timers
+        client.resume()
+        out = await asyncio.gather(*tasks)
+        return timers, out
+
+    timers, out = asyncio.run(main())
+    assert timers < 10 and len(out) == 200 and all(1 <= len(r.output_tokens) <= 4 for r in out)
+
+
+def test_calls_of_one_loop_reuse_kept_alive_connections(fleet):
+    client = SGLangClient(fleet.addresses[:1])
+    before = fleet.state()[0]["counters"].get("connections", 0)
+
+    async def main():
+        for i in range(30):
+            await client.agenerate(ModelRequest([5, i], max_new_tokens=2))
+        await client.pause_generation()
+        await client.continue_generation()
+
+    asyncio.run(main())
+    assert fleet.state()[0]["counters"]["connections"] - before == 1  # one connection, not one per call
+
+
+def test_a_connection_the_server_closed_while_idle_is_not_a_dead_server():
+    """The server drops an idle keep-alive connection (uvicorn after 5 s) while this loop is busy: the next call
+    goes out on it, fails, and is sent again on a new connection; the server is never marked unhealthy."""
+    with Fleet(1, FleetConfig(token_latency_s=0.001, keepalive_s=0.2), in_thread=True) as f:
+        client = SGLangClient(f.addresses)
+
+        async def main():
+            await client.agenerate(ModelRequest([1, 2], max_new_tokens=2))
+            time.sleep(0.6)  # the loop is blocked: the server's close is not seen before the next call
+            await client.pause_generation()
+            await client.continue_generation()
+            return await client.agenerate(ModelRequest([1, 3], max_new_tokens=2))
+
+        out = asyncio.run(main())
+        assert len(out.output_tokens) == 2 and client.servers[0].healthy
+        assert f.state()[0]["counters"]["connections"] >= 2
