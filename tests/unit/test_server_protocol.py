@@ -232,3 +232,24 @@ def test_stop_strings_are_bounded_as_sglang_and_by_total_length():
     with pytest.raises(ValueRejected, match=f"{MAX_STOP_CHARS + 1} characters of stop strings, more than the "
                                             f"{MAX_STOP_CHARS}"):
         parse_sampling({"stop": "x" * (MAX_STOP_CHARS + 1)})
+
+
+def test_logit_bias_and_stop_ids_cost_one_build_not_one_a_step():
+    """logit_bias keys outside the vocabulary are SGLang's 400; stop ids outside it are dropped; a bias over the
+    whole vocabulary is turned into tensors once for all n samples, not rebuilt from Python every decode step
+    (the old processor iterated the bias tensor element by element each step)."""
+    lim = GenerateLimits(vocab_size=100, max_context=64, max_new_tokens_cap=1 << 16)
+    with pytest.raises(ValueRejected, match=r"^logit_bias must has keys in \[0, 99\], got 100\.$"):
+        parse_generate({"input_ids": [1], "sampling_params": {"logit_bias": {"100": 1.0}}}, [[1]], False, lim)
+    body = {"input_ids": [1], "sampling_params": {"n": 3, "max_new_tokens": 4, "min_new_tokens": 2,
+                                                  "logit_bias": {str(t): 0.5 for t in range(100)},
+                                                  "stop_token_ids": [5, 10 ** 12]}}
+    reqs = [r for r, _ in parse_generate(body, [[1]], False, lim)]
+    assert reqs[0].stop_token_ids == {5} and all(r.sampling_cache is reqs[0].sampling_cache for r in reqs)
+    logits = torch.zeros(3, 100)
+    out = process_logits(logits, reqs, {7})
+    assert torch.equal(out[:, 5], torch.full((3,), float("-inf"))) and out[0, 0] == 0.5 and out[2, 99] == 0.5
+    built = dict(reqs[0].sampling_cache)
+    assert set(built) == {"bias", "min_new_stops"}
+    process_logits(torch.zeros(3, 100), reqs, {7})
+    assert all(reqs[0].sampling_cache[k] is built[k] for k in built)  # not rebuilt on the next step

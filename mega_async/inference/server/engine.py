@@ -69,6 +69,7 @@ class GenRequest:
     generator: Optional[torch.Generator] = None
     radix_lock: Optional[Lock] = None  # the radix-cache path this request's KV came from / went into
     stop_matcher: Any = None  # its stop strings' incremental matcher (engine thread)
+    sampling_cache: dict = field(default_factory=dict)  # its logit_bias / stop-id tensors (sampling.py)
 
     @property
     def seq(self) -> list[int]:

@@ -254,10 +254,10 @@ def parse_generate(body: dict, prompts: list[list[int]], is_batch: bool, lim: Ge
     rid = body.get("rid")
     if isinstance(rid, list) and len(rid) != len(prompts):
         raise ValueRejected(f"{len(rid)} rids for {len(prompts)} prompts")
-    shared = None if isinstance(sps, list) else parse_sampling(sps)  # one sampling_params for every prompt
+    shared = None if isinstance(sps, list) else _in_vocab(parse_sampling(sps), lim)  # one for every prompt
     per_prompt = []  # (request fields, options fields, n) of each prompt: every prompt is checked once, not n times
     for i, ids in enumerate(prompts):
-        sp = shared if shared is not None else parse_sampling(sps[i])
+        sp = shared if shared is not None else _in_vocab(parse_sampling(sps[i]), lim)
         per_prompt.append(_prompt_fields(body, i, check_ids(ids, lim), sp, lim, routed_experts_enabled))
     total = sum(n for _, _, n in per_prompt)
     if total > lim.max_requests_per_body:
@@ -271,6 +271,18 @@ def parse_generate(body: dict, prompts: list[list[int]], is_batch: bool, lim: Ge
             r = f"{(base + len(out)) % (1 << 128):032x}" if rid is None else _rid(rid, i, j, i * n + j, is_batch, n)
             out.append((GenRequest(rid=r, **req_fields), Options(**opt_fields)))
     return out
+
+
+def _in_vocab(sp: dict, lim: GenerateLimits) -> dict:
+    """SGLang's check of logit_bias keys (its message); stop_token_ids outside the vocabulary can never be
+    sampled and are dropped (SGLang keeps them, to no effect), so neither holds more than the vocabulary."""
+    bad = next((t for t in sp["logit_bias"] if not 0 <= t < lim.vocab_size), None)
+    if bad is not None:
+        raise ValueRejected(f"logit_bias must has keys in [0, {lim.vocab_size - 1}], got {bad}.")
+    if any(not 0 <= t < lim.vocab_size for t in sp["stop_token_ids"]):
+        sp["stop_token_ids"] = {t for t in sp["stop_token_ids"] if 0 <= t < lim.vocab_size}
+    sp["sampling_cache"] = {}  # their tensors, built once for every request sampled with these params
+    return sp
 
 
 def _rid(rid: Any, i: int, j: int, k: int, is_batch: bool, n: int) -> str:
@@ -307,7 +319,7 @@ def _prompt_fields(body: dict, i: int, ids: list[int], sp: dict, lim: GenerateLi
         frequency_penalty=sp["frequency_penalty"], presence_penalty=sp["presence_penalty"],
         repetition_penalty=sp["repetition_penalty"], logit_bias=sp["logit_bias"], sampling_seed=sp["sampling_seed"],
         logprob_start_len=start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
-        return_routed_experts=want_routes)
+        return_routed_experts=want_routes, sampling_cache=sp["sampling_cache"])
     opts = dict(return_logprob=ret_lp, return_text_in_logprobs=_top_bool(body, "return_text_in_logprobs"),
                 skip_special_tokens=sp["skip_special_tokens"],
                 spaces_between_special_tokens=sp["spaces_between_special_tokens"], no_stop_trim=sp["no_stop_trim"],

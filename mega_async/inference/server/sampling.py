@@ -16,13 +16,14 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Any], eos_ids: set[int])
     V = logits.shape[-1]
     for i, r in enumerate(reqs):
         if r.logit_bias:
-            ids = torch.tensor([t for t in r.logit_bias if 0 <= t < V], dtype=torch.long, device=logits.device)
+            ids, vals = _cached(r, "bias", lambda: _bias_tensors(r.logit_bias, V, logits))
             if ids.numel():
-                vals = torch.tensor([r.logit_bias[int(t)] for t in ids], dtype=logits.dtype, device=logits.device)
                 logits[i].index_add_(0, ids, vals)
         if r.min_new_tokens and len(r.output_ids) < r.min_new_tokens:
-            stops = [t for t in (set(r.stop_token_ids) | (set() if r.ignore_eos else eos_ids)) if 0 <= t < V]
-            if stops:
+            stops = _cached(r, "min_new_stops", lambda: torch.tensor(
+                sorted(t for t in (set(r.stop_token_ids) | (set() if r.ignore_eos else eos_ids)) if 0 <= t < V),
+                dtype=torch.long, device=logits.device))
+            if stops.numel():
                 logits[i, stops] = float("-inf")
         needs = r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0
         if needs and r.output_ids:
@@ -36,6 +37,23 @@ def process_logits(logits: torch.Tensor, reqs: Sequence[Any], eos_ids: set[int])
                 logits[i] = torch.where(seen, scaled, row)
             logits[i] -= r.frequency_penalty * counts + r.presence_penalty * seen.to(logits.dtype)
     return logits
+
+
+def _cached(r: Any, key: str, make: Any) -> Any:
+    """A request's per-request tensor, built on its first step (a client's logit_bias or stop ids may hold
+    the whole vocabulary: rebuilding them from Python each step cost the batch that much every step)."""
+    cache = getattr(r, "sampling_cache", None)
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _bias_tensors(bias: dict, V: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [(t, v) for t, v in bias.items() if 0 <= t < V]
+    ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=like.device)
+    return ids, torch.tensor([v for _, v in items], dtype=like.dtype, device=like.device)
 
 
 def sample_full(logits: torch.Tensor, temperature: list[float], top_k: list[int], top_p: list[float],
