@@ -253,3 +253,20 @@ def test_logit_bias_and_stop_ids_cost_one_build_not_one_a_step():
     assert set(built) == {"bias", "min_new_stops"}
     process_logits(torch.zeros(3, 100), reqs, {7})
     assert all(reqs[0].sampling_cache[k] is built[k] for k in built)  # not rebuilt on the next step
+
+
+def test_top_logprobs_are_bounded_per_body():
+    """top_logprobs_num x tokens x samples is what the server keeps and sends: the whole vocabulary for 32k
+    tokens (one small body) would be billions of entries; past 2^24 it is one 400 (SGLang has no bound)."""
+    from mega_async.inference.server.generate_protocol import MAX_TOP_LOGPROB_ENTRIES
+
+    lim = GenerateLimits(vocab_size=1 << 17, max_context=1 << 16, max_new_tokens_cap=1 << 16)
+    ok = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 20,
+          "sampling_params": {"max_new_tokens": 4096, "n": 16}}
+    parse_generate(ok, [[1, 2]], False, lim)
+    huge = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 1 << 17, "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 32000}}
+    with pytest.raises(ValueRejected, match=f"asks {(1 << 17) * 32002} top-logprob entries, more than this "
+                                            f"server's {MAX_TOP_LOGPROB_ENTRIES}"):
+        parse_generate(huge, [[1, 2]], False, lim)
+    parse_generate({**huge, "return_logprob": False}, [[1, 2]], False, lim)  # not asked: nothing kept

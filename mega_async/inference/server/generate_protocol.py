@@ -38,6 +38,7 @@ BOOLS = {"ignore_eos": False, "skip_special_tokens": True, "spaces_between_speci
 TOP_K_ALL = 1 << 30  # SGLang's default top_k: no truncation
 MAX_STOP_COUNT = 32  # SGLang 0.5.20+ (sampling_params.py)
 MAX_STOP_CHARS = 4096  # this server's: characters of all stop strings of a request together
+MAX_TOP_LOGPROB_ENTRIES = 1 << 24  # this server's: top_logprobs_num x scored tokens x samples of a body (~2 GB)
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,13 @@ def parse_generate(body: dict, prompts: list[list[int]], is_batch: bool, lim: Ge
         sp = shared if shared is not None else _in_vocab(parse_sampling(sps[i]), lim)
         per_prompt.append(_prompt_fields(body, i, check_ids(ids, lim), sp, lim, routed_experts_enabled))
     total = sum(n for _, _, n in per_prompt)
+    entries = sum(n * f["top_logprobs_num"] * (f["max_new_tokens"] + (len(f["input_ids"]) - f["logprob_start_len"]
+                                                                      if f["logprob_start_len"] >= 0 else 0))
+                  for f, _, n in per_prompt)
+    if entries > MAX_TOP_LOGPROB_ENTRIES:
+        raise ValueRejected(f"top_logprobs_num over this body's tokens and samples asks {entries} top-logprob "
+                            f"entries, more than this server's {MAX_TOP_LOGPROB_ENTRIES} a request (each is kept "
+                            "and sent): ask fewer top logprobs, tokens or samples")
     if total > lim.max_requests_per_body:
         raise ValueRejected(f"this body asks {total} generations (prompts x sampling_params.n), more than this "
                             f"server's limit of {lim.max_requests_per_body} per request (--max-requests-per-body): "
