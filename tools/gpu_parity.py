@@ -1,6 +1,6 @@
 """GPU check (not part of CI): Megatron parity on one CUDA device, local and Transformer Engine specs.
 
-For the tiny Qwen3-MoE and dense Qwen3 cards: build at megatron:d1 on the GPU, load the HF
+For the tiny Qwen3-MoE, dense Qwen3, DeepSeek-V3 and GLM-4.5-MoE cards: build at megatron:d1 on the GPU, load the HF
 weights, compare logits with transformers on the same GPU (fp32, max abs diff < 1e-4), export
 back and compare with the source safetensors bit for bit, then run one training step through
 Megatron's schedule + DDP + distributed optimizer and report the loss. Prints one line per case
@@ -29,7 +29,7 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     from mega_async.bridge import export_hf_weights
-    from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+    from mega_async.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
     from mega_async.trainer.model import build_model
     from mega_async.trainer.parallel import init_parallel_state, parse_allocation
 
@@ -45,7 +45,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp())
     tokens = torch.randint(1, 1000, (2, 32), generator=torch.Generator().manual_seed(0)).cuda()
     pos = torch.arange(32, device="cuda").expand(2, 32)
-    for card in (TINY_MOE, TINY_DENSE):
+    for card in (TINY_MOE, TINY_DENSE, TINY_DEEPSEEK, TINY_GLM):
         d = init_random_weights(card, root / card.name, seed=0)
         ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()
         with torch.no_grad():

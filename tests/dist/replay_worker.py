@@ -81,7 +81,7 @@ def main() -> None:
     (same, hf_lp), (foreign, _) = hf_routes(args.model, batch), hf_routes(args.model, batch, perturb=0.5)
     sigmoid = any(hasattr(g, "e_score_correction_bias") for g in _hf_model(args.model)[1])
     # a sigmoid router's correction bias shifted: other experts are selected, the weights stay the unbiased scores
-    rebiased, hf_lp_rebiased = hf_routes(args.model, batch, rebias=0.05) if sigmoid else (same, hf_lp)
+    rebiased, hf_lp_rebiased = hf_routes(args.model, batch, rebias=0.05) if sigmoid else (same, hf_lp.clone())
     res = {"same_off": eng.routing_mismatch({**batch, "routed_experts": same}),
            "foreign_off": eng.routing_mismatch({**batch, "routed_experts": foreign}),
            "rebiased_off": eng.routing_mismatch({**batch, "routed_experts": rebiased})}
