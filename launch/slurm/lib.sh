@@ -53,6 +53,24 @@ ma_last_error() {  # the last line of a log that looks like an error, else its l
   echo "${line:-<empty log>}"
 }
 
+# why the trainer failed: each rank's own one-line error ("mega-async train: rank N: ...", in driver.log or
+# trainer_rank<N>.log: on several nodes the rank that failed first is often not the driver, which srun
+# then kills without a word), else the driver log's last error
+ma_trainer_error() {
+  local f line found=()
+  for f in "$RUN_DIR/logs/driver.log" $(ls "$RUN_DIR"/logs/trainer_rank*.log 2>/dev/null | sort -V); do
+    line=$(grep -m1 '^mega-async train: rank ' "$f" 2>/dev/null) || continue
+    found+=("${line#mega-async train: } (${f#"$RUN_DIR"/})")
+    ((${#found[@]} < 4)) || break
+  done
+  if ((${#found[@]})); then
+    line=$(printf '%s; ' "${found[@]}")
+    echo "errors of the ranks: ${line%; }"
+  else
+    echo "last error in logs/driver.log: $(ma_last_error "$RUN_DIR/logs/driver.log")"
+  fi
+}
+
 # wait until every server wrote its address and answers /health; a server that exits first fails the job
 ma_wait_servers() {
   local n=$1 timeout=$2 t0=$SECONDS i addr
@@ -130,7 +148,7 @@ ma_supervise() {
     unset "MA_PID[trainer]"
     if ((rc != 0)); then
       MA_LOG[trainer]=$RUN_DIR/logs/driver.log
-      ma_log "trainer exited with code $rc; last error in logs/driver.log: $(ma_last_error "$RUN_DIR/logs/driver.log")"
+      ma_log "trainer exited with code $rc; $(ma_trainer_error)"
       ma_stop_all 60
       exit "$rc"
     fi
