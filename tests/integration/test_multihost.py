@@ -27,8 +27,15 @@ from tests.integration.netns_hosts import Hosts, SlurmOnHosts
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "gsm8k_tiny_cpu.yaml"
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(netns_hosts.unavailable()),
-                                                    reason=str(netns_hosts.unavailable()))]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module", autouse=True)
+def namespaces():
+    """Skip (with the reason) where network namespaces cannot be made: not root, no iproute2."""
+    why = netns_hosts.unavailable()
+    if why:
+        pytest.skip(why)
 
 
 @pytest.fixture(scope="module")
