@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
 import aiohttp
+from yarl import URL
 
 try:  # SGLang speaks orjson; it is several times faster than json both ways (the same numbers)
     from orjson import dumps as _orjson_dumps
@@ -138,14 +139,10 @@ SETTLE_QUIET_S = 2.0  # settle(): no reply for this long means what is left in f
 KEEPALIVE_S = 4.0
 
 
-async def _on_reuse(session: Any, ctx: Any, params: Any) -> None:
-    if isinstance(ctx.trace_request_ctx, dict):
-        ctx.trace_request_ctx["reused"] = True
-
-
-_REUSE = aiohttp.TraceConfig()  # tells _request whether a call went out on a kept-alive connection
-_REUSE.on_connection_reuseconn.append(_on_reuse)
-_REUSE.freeze()
+def _broken(e: BaseException) -> bool:
+    """The connection broke before any answer (not: the server refused it, or a timeout)."""
+    return isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
+        not isinstance(e, aiohttp.ClientConnectorError)
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -186,6 +183,7 @@ class SGLangClient:
         self._resumed: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}  # per loop: set by resume()
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}  # one per event loop
         self._keepers: dict[asyncio.AbstractEventLoop, Any] = {}
+        self._urls: dict[tuple[str, str], URL] = {}
         self._sticky: dict[str, _Server] = {}
         self._load: list[tuple[int, int]] = []  # heap of (in_flight, server index); stale entries skipped
         self._index = {id(s): i for i, s in enumerate(self.servers)}
@@ -224,8 +222,7 @@ class SGLangClient:
         for other in [x for x in list(self._sessions) if x.is_closed()]:  # ended without closing its session
             self._sessions.pop(other).detach()
             self._keepers.pop(other, None)
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
-                                  trace_configs=[_REUSE])
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
         self._sessions[loop] = s
         keeper = self._keep(loop, s)
         await keeper.asend(None)  # started: the loop's shutdown_asyncgens() (asyncio.run does) closes the session
@@ -242,26 +239,32 @@ class SGLangClient:
             await s.close()
 
     async def _request(self, method: str, server: _Server, path: str, body: Any = None,
-                       timeout: Optional[float] = None) -> tuple[int, Any]:
+                       timeout: Optional[float] = None, resend: bool = True) -> tuple[int, Any]:
         kw: dict[str, Any] = {"headers": self._headers()}
         if body is not None:
             kw["data"] = _dumps(body)
             kw["headers"]["Content-Type"] = "application/json"
         kw["timeout"] = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout)
         session = await self._session()
-        for attempt in (0, 1):
-            seen: dict = {}
-            try:
-                async with session.request(method, server.address + path, trace_request_ctx=seen, **kw) as r:
-                    if r.content_type == "application/json":
-                        return r.status, await r.json(loads=_loads)
-                    return r.status, await r.text()
-            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-                # a kept-alive connection the server closed meanwhile (idle past its keep-alive while this loop
-                # was busy): the request never reached it, so it goes again once on a new connection
-                if attempt or not seen.get("reused") or isinstance(e, aiohttp.ClientConnectorError):
-                    raise
-        raise AssertionError("unreachable")
+        url = self._urls.get((server.address, path))
+        if url is None:  # parsed once per server and path (yarl's parse costs ~10 us a call)
+            url = self._urls[(server.address, path)] = URL(server.address + path)
+        try:
+            return await self._send(session, method, url, kw)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            # the connection broke before any answer: most often a kept-alive one the server closed while idle
+            # (its keep-alive ran out while this loop was busy), which the request never reached; so it goes once
+            # more, as aiohttp does for idempotent methods. A dead server refuses the new connection (raised).
+            if not resend or not _broken(e):
+                raise
+            return await self._send(session, method, url, kw)
+
+    @staticmethod
+    async def _send(session: aiohttp.ClientSession, method: str, url: URL, kw: dict) -> tuple[int, Any]:
+        async with session.request(method, url, **kw) as r:
+            if r.content_type == "application/json":
+                return r.status, await r.json(loads=_loads)
+            return r.status, await r.text()
 
     # ---- server choice and health ----------------------------------------------------------
     def _rebuild_load(self) -> None:
@@ -366,16 +369,20 @@ class SGLangClient:
         id: the server may still hold the first attempt under the old one."""
         attempt = 0
         first_rid = payload["rid"]
+        resent = False
         while True:
             s = await self._choose(rid)
             self._count(s, 1)
             try:
                 payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
-                status, body = await self._request("POST", s, "/generate", payload)
+                status, body = await self._request("POST", s, "/generate", payload, resend=False)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+                attempt += 1
+                if _broken(e) and not resent:  # most often a kept-alive connection the server had closed: the
+                    resent = True  # same server again at once (a dead one refuses the new connection)
+                    continue
                 self._mark_unhealthy(s, f"{type(e).__name__}: {e}")
                 self._sticky.pop(rid, None)
-                attempt += 1
                 await asyncio.sleep(self.retry_backoff * min(attempt, 10))
                 continue
             finally:
