@@ -1,4 +1,5 @@
-"""Decoupled PPO (AReaL Eq. 5), its off-policy corrections, GSPO, and the proximal-logprob approximations.
+"""Decoupled PPO (AReaL Eq. 5), its off-policy corrections, GSPO, the proximal-logprob approximations, and the
+SFT cross-entropy (`sft_loss`).
 
 r = exp(logp - prox), w = exp(prox - behav), pg = max(-A r, -A clip(r, 1-eps, 1+eps_high));
 loss = sum(keep * w * pg) / sum(mask). Synchronous PPO is the special case behav = prox.
@@ -208,3 +209,18 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     if estimator == "k3":
         return torch.exp(-log_ratio) - 1 + log_ratio
     raise ValueError(f"estimator={estimator!r}: use k1, k2 or k3")
+
+
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor,
+             denominator: Optional[float] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning: cross-entropy of the target tokens, -sum(mask * logp) / denominator (default the
+    masked token count; 1.0 gives the token sum the engine's global token mean divides). Stats: the mean
+    negative log-likelihood and the fraction of target tokens the policy gives more than half its mass."""
+    mask = loss_mask.bool()
+    nll = torch.where(mask, -logprobs, torch.zeros_like(logprobs))
+    n = mask.sum()
+    den = n.clamp(min=1).to(logprobs.dtype) if denominator is None else torch.as_tensor(denominator, dtype=logprobs.dtype)
+    with torch.no_grad():
+        nf = n.clamp(min=1).to(logprobs.dtype)
+        stats = {"nll": nll.sum().detach() / nf, "likely_frac": ((logprobs.detach() > math.log(0.5)) & mask).sum() / nf}
+    return nll.sum() / den, stats

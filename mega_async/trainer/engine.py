@@ -1,4 +1,5 @@
-"""Megatron train engine: packed 1-D micro-batches, pipeline-aware FFD, decoupled PPO.
+"""Megatron train engine: packed 1-D micro-batches, pipeline-aware FFD, decoupled PPO (or, with
+`loss="sft"`, plain cross-entropy on the loss-mask tokens: `mega-async sft`).
 
 train_batch: [recompute or approximate prox logp] [reference logp when kl_coef > 0] -> split into
 PPO mini-batches -> per mini-batch: FFD micro-batches (same count on every DP rank) -> Megatron
@@ -15,7 +16,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty
+from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty, sft_loss
 from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
 from mega_async.trainer.routing import RouteReplay
 
@@ -50,6 +51,9 @@ class EngineConfig:
     imp_weight_mode: str = "cap_mask"  # cap_mask | icepop | seq_mask | tis
     imp_weight_bounds: tuple[float, float] = (0.5, 5.0)
     routing_replay: bool = False  # R3: MoE routers replay the rollout's experts (batch key routed_experts)
+    # ppo: the RL objective above | sft: cross-entropy of the loss-mask tokens (no proximal/reference policy,
+    # advantages, behaviour logprobs or versions are read; mega_async.sft)
+    loss: str = "ppo"
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
@@ -108,6 +112,8 @@ class MegatronTrainEngine:
             raise AllocationError(f"training with expert TP etp={strategy.etp} larger than attention TP tp={strategy.tp} "
                                   "is not supported by Megatron-Core 0.16 with packed batches; use etp <= tp "
                                   "(e.g. megatron:(attn:t2|ffn:t1e2))")
+        if cfg.loss not in ("ppo", "sft"):
+            raise ValueError(f"EngineConfig.loss={cfg.loss!r}: use ppo or sft")
         self.cfg = cfg
         on_gpu = torch.cuda.is_available()
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
@@ -332,9 +338,9 @@ class MegatronTrainEngine:
         if c.routing_replay and "routed_experts" not in batch:
             raise ValueError("algorithm.routing_replay=true but the batch has no routed_experts: the servers must "
                              "return them (SGLang: --enable-return-routed-experts)")
-        if c.prox_logp == "recompute":
+        if c.prox_logp == "recompute" and c.loss == "ppo":
             batch = {**batch, "prox_logprobs": self.compute_logprobs(batch)}
-        if c.kl_coef > 0:
+        if c.kl_coef > 0 and c.loss == "ppo":
             batch = {**batch, "ref_logprobs": self.compute_logprobs(batch, reference=True)}
         rows = self._rows(batch)
         n = len(rows)
@@ -350,7 +356,7 @@ class MegatronTrainEngine:
             self.optimizer.zero_grad()
             self._measure = mini == 0
             try:
-                self._run(mbs, self._ppo_loss, forward_only=False)
+                self._run(mbs, self._sft_loss if c.loss == "sft" else self._ppo_loss, forward_only=False)
             finally:
                 self._measure = False
             ok, grad_norm, _ = self.optimizer.step()
@@ -440,6 +446,20 @@ class MegatronTrainEngine:
                 if gap.numel():
                     self._lp_mismatch_max = max(self._lp_mismatch_max, float(gap.max()))
             for k, v in contrib.items():
+                self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
+        return loss, n.to(torch.int), {}
+
+    def _sft_loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Cross-entropy (a token sum, like the PPO loss) of the loss-mask tokens at temperature 1."""
+        from mega_async.trainer.logprobs import vocab_parallel_logprobs
+
+        dev = logits.device
+        logp, ent = vocab_parallel_logprobs(logits, mb.labels.to(dev), 1.0, with_entropy=True)
+        mask = mb.loss_mask.to(dev)
+        loss, _ = sft_loss(logp, mask, denominator=1.0)
+        n = mask.sum()
+        with torch.no_grad():
+            for k, v in (("loss", loss), ("n_tokens", n), ("entropy", (ent * mask).sum())):
                 self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
         return loss, n.to(torch.int), {}
 

@@ -1,0 +1,249 @@
+"""`mega-async sft`: supervised fine-tuning of a model card on the addition task through the Megatron train
+engine (`EngineConfig.loss="sft"`: cross-entropy of the answer tokens), one rank.
+
+    mega-async sft -c configs/addition_sft_cpu.yaml [key=value ...]
+
+The run directory (`logging.root_dir/experiment_name/trial_name`) receives what the RL run reads:
+`final_hf/` (HF weights + config + tokenizer: the RL config's model.path), `rl_prompts.jsonl` (train-split
+prompts for RL, another seed than the SFT problems), `eval.jsonl` (held-out problems) and `sft_eval.json`
+(exact match of the final weights on eval.jsonl: greedy and sampled at temperature 1), plus `metrics.jsonl`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import yaml
+
+from mega_async.config import ConfigError
+
+logger = logging.getLogger("mega_async.sft")
+
+
+@dataclass
+class SFTModel:
+    path: str = "models/tiny-addition"  # HF-format card; no weights yet: a deterministic random init (seed)
+
+
+@dataclass
+class SFTTask:
+    digits: int = 3
+    eval_size: int = 256  # held-out problems scored at the end (and every eval_interval steps)
+    rl_prompts: int = 4096  # train-split prompts written for the RL run
+    eval_samples: int = 4  # samples per eval problem at temperature 1 (besides the greedy answer)
+
+
+@dataclass
+class SFTTrainer:
+    steps: int = 600
+    batch_size: int = 64  # sequences per optimizer step
+    lr: float = 3e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 20
+    lr_decay: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_tokens_per_mb: int = 4096
+    eval_interval: int = 0  # steps between held-out evaluations (0: only at the end)
+    threads: Optional[int] = None  # torch threads; null = the cores this process may run on
+
+
+@dataclass
+class SFTLogging:
+    root_dir: str = "runs"
+    level: str = "INFO"
+
+
+@dataclass
+class SFTConfig:
+    experiment_name: str = "addition_sft"
+    trial_name: str = "run0"
+    seed: int = 1
+    model: SFTModel = field(default_factory=SFTModel)
+    task: SFTTask = field(default_factory=SFTTask)
+    trainer: SFTTrainer = field(default_factory=SFTTrainer)
+    logging: SFTLogging = field(default_factory=SFTLogging)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.logging.root_dir) / self.experiment_name / self.trial_name
+
+
+def load_sft_config(path: Optional[str], overrides: Sequence[str] = ()) -> SFTConfig:
+    """Defaults <- YAML <- dotted overrides, validated (ConfigError, one line naming the key)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    layers: list[Any] = [OmegaConf.structured(SFTConfig)]
+    if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"config file {path} not found; pass an existing YAML file (configs/addition_sft_cpu.yaml)")
+        layers.append(OmegaConf.create(yaml.safe_load(Path(path).read_text()) or {}))
+    for ov in overrides:
+        if "=" not in ov or ov.startswith("="):
+            raise ConfigError(f"override {ov!r} is not key=value (example: trainer.steps=200)")
+    try:
+        if overrides:
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        cfg: SFTConfig = OmegaConf.to_object(OmegaConf.merge(*layers))  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "<root>"
+        raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+    t, k = cfg.trainer, cfg.task
+    for key, v in (("trainer.steps", t.steps), ("trainer.batch_size", t.batch_size), ("task.eval_size", k.eval_size),
+                   ("task.rl_prompts", k.rl_prompts), ("task.eval_samples", k.eval_samples),
+                   ("trainer.max_tokens_per_mb", t.max_tokens_per_mb)):
+        if v < 1:
+            raise ConfigError(f"{key}={v} must be >= 1")
+    if not 1 <= k.digits <= 9:
+        raise ConfigError(f"task.digits={k.digits} must be in [1, 9]")
+    if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
+        raise ConfigError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr={t.min_lr} in [0, lr]")
+    if not 0 <= t.warmup_steps < t.steps:
+        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.steps={t.steps})")
+    if t.lr_decay not in ("constant", "linear", "cosine"):
+        raise ConfigError(f"trainer.lr_decay={t.lr_decay!r} is not one of constant, linear, cosine")
+    if t.eval_interval < 0 or (t.threads is not None and t.threads < 1):
+        raise ConfigError("trainer.eval_interval must be >= 0 and trainer.threads >= 1 (or null)")
+    return cfg
+
+
+def sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    """Right-padded [n, L] tensors in the engine's trajectory layout (the RL-only fields are zeros)."""
+    n, L = len(examples), max(len(ids) for ids, _ in examples)
+    ids = torch.zeros(n, L, dtype=torch.long)
+    att, mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for i, (toks, m) in enumerate(examples):
+        ids[i, :len(toks)] = torch.tensor(toks)
+        att[i, :len(toks)] = 1
+        mask[i, :len(m)] = torch.tensor(m)
+    return {"input_ids": ids, "attention_mask": att, "loss_mask": mask, "logprobs": torch.zeros(n, L),
+            "versions": torch.zeros_like(ids), "advantages": torch.zeros(n)}
+
+
+@torch.no_grad()
+def exact_match(model: Any, items: Sequence[dict[str, Any]], tokenizer: Any, temperature: float = 0.0,
+                samples: int = 1, seed: int = 0, max_new_tokens: Optional[int] = None) -> float:
+    """Fraction of (item, sample) pairs whose decoded completion equals the item's answer, with `model` an HF
+    causal LM; greedy at temperature 0. Prompts of one length decode together as a batch (no padding)."""
+    from mega_async.reward.addition import addition_reward
+
+    gen = torch.Generator().manual_seed(seed)
+    eos = tokenizer.eos_token_id
+    new = max_new_tokens or max(len(it["answer"]) for it in items) + 1
+    model.eval()
+    by_len: dict[int, list[dict[str, Any]]] = {}
+    for it in items:
+        by_len.setdefault(len(it["input_ids"]), []).append(it)
+    ok = 0
+    for group in by_len.values():
+        x = torch.tensor([it["input_ids"] for it in group for _ in range(samples)])
+        out, past = [], None
+        for _ in range(new):
+            r = model(input_ids=x, past_key_values=past, use_cache=True)
+            past, logits = r.past_key_values, r.logits[:, -1].float()
+            if temperature > 0:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen)[:, 0]
+            else:
+                nxt = logits.argmax(-1)
+            out.append(nxt)
+            x = nxt[:, None]
+        answers = [it["answer"] for it in group for _ in range(samples)]
+        for row, ans in zip(torch.stack(out, 1).tolist(), answers):
+            row = row[:row.index(eos)] if eos in row else row
+            ok += addition_reward("", tokenizer.decode(row, skip_special_tokens=True), ans) == 1.0
+    return ok / (len(items) * samples)
+
+
+def evaluate_dir(model_dir: str | Path, items: Sequence[dict[str, Any]], samples: int = 4,
+                 seed: int = 0) -> dict[str, float]:
+    """Greedy and sampled (temperature 1, `samples` each) exact match of an HF directory on `items`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return {"greedy": exact_match(model, items, tok), "sampled_t1": exact_match(model, items, tok, 1.0, samples, seed),
+            "problems": len(items), "samples": samples}
+
+
+def _engine_eval(engine: Any, cfg: SFTConfig, items: list, tok: Any) -> dict[str, float]:
+    """The engine's current weights in an HF model, scored on the held-out items."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path), dtype=torch.float32)
+    state = dict(engine.export_hf_weights())
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if "lm_head" not in m]:  # a tied lm_head is not exported
+        raise RuntimeError(f"exported weights do not match the card: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    model.tie_weights()
+    return {"greedy": exact_match(model, items, tok),
+            "sampled_t1": exact_match(model, items, tok, 1.0, cfg.task.eval_samples, cfg.seed)}
+
+
+def run_sft(cfg: SFTConfig) -> dict[str, Any]:
+    """Train, export `final_hf/`, write the task's splits and the final evaluation; returns the evaluation."""
+    from transformers import AutoTokenizer
+
+    from mega_async.allocation import parse_allocation
+    from mega_async.data.addition import addition_items, char_ids, sft_example, write_jsonl
+    from mega_async.metrics import Metrics
+    from mega_async.model_cards import has_weights, init_random_weights
+    from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
+    from mega_async.trainer.parallel import destroy_parallel_state, init_distributed
+    from mega_async.trainer.weights import save_hf_checkpoint
+
+    if not (Path(cfg.model.path) / "config.json").is_file():
+        raise ConfigError(f"model.path={cfg.model.path}: config.json not found; pass an HF-format model card")
+    run_dir, t, k = cfg.run_dir, cfg.trainer, cfg.task
+    if (run_dir / "final_hf").exists():
+        raise ConfigError(f"{run_dir} already holds a finished SFT run (final_hf/); pick another trial_name or "
+                          "remove it")
+    torch.set_num_threads(t.threads or len(os.sched_getaffinity(0)))
+    if not has_weights(cfg.model.path):
+        logger.info("%s has no weights yet: writing a deterministic random init (seed %d)", cfg.model.path, cfg.seed)
+        init_random_weights(cfg.model.path, seed=cfg.seed)
+    tok = AutoTokenizer.from_pretrained(cfg.model.path)
+    ids, eos = char_ids(tok), tok.eos_token_id
+    train = addition_items(t.steps * t.batch_size, k.digits, tok, seed=cfg.seed, split="train")
+    held = addition_items(k.eval_size, k.digits, tok, seed=0, split="eval")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "sft_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
+    write_jsonl(held, run_dir / "eval.jsonl")
+    write_jsonl(addition_items(k.rl_prompts, k.digits, tok, seed=cfg.seed + 1000, split="train"),
+                run_dir / "rl_prompts.jsonl")
+    torch.manual_seed(cfg.seed)
+    init_distributed()
+    engine = MegatronTrainEngine(cfg.model.path, parse_allocation("megatron:d1"), EngineConfig(
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, total_steps=t.steps,
+        lr_decay=t.lr_decay, grad_clip=t.grad_clip, max_tokens_per_mb=t.max_tokens_per_mb, loss="sft"))
+    metrics = Metrics(run_dir, tensorboard=False)
+    t0 = time.monotonic()
+    try:
+        for step in range(t.steps):
+            batch = sft_batch([sft_example(it, ids, eos) for it in train[step * t.batch_size:(step + 1) * t.batch_size]])
+            st = engine.train_batch(batch)
+            ev = {}
+            if t.eval_interval and (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
+                ev = {f"eval/{k2}": v for k2, v in _engine_eval(engine, cfg, held, tok).items()}
+            metrics.log(step, {"loss": st["loss"], "tokens": st["tokens"], "grad_norm": st["grad_norm"],
+                               "lr": st["lr"], **ev})
+            if step % 50 == 0 or ev:
+                logger.info("sft step %d/%d: loss %.4f, lr %.2e%s (%.0fs)", step, t.steps, st["loss"], st["lr"],
+                            f", eval greedy {ev['eval/greedy']:.3f}" if ev else "", time.monotonic() - t0)
+        save_hf_checkpoint(engine.models, run_dir / "final_hf", src_dir=cfg.model.path)
+    finally:
+        metrics.close()
+        destroy_parallel_state()
+    result = {**evaluate_dir(run_dir / "final_hf", held, k.eval_samples, cfg.seed), "steps": t.steps,
+              "train_s": round(time.monotonic() - t0, 1)}
+    (run_dir / "sft_eval.json").write_text(json.dumps(result, indent=1) + "\n")
+    logger.info("sft done: exact match greedy %.3f, sampled (t=1) %.3f on %d held-out problems; %s",
+                result["greedy"], result["sampled_t1"], len(held), run_dir / "final_hf")
+    return result
