@@ -40,6 +40,8 @@ logger = logging.getLogger("mega_async.trainer.sync")
 
 
 INTERRUPT_MODES = ("abort", "retract", "in_place", "none")  # rollout.interrupt
+DATA_PLANES = ("broadcast", "none")  # DistributedWeightSync(data_plane=...): none = the fleet benchmark's seam
+NO_DATA_PLANE = object()  # the weight-update "group" of data_plane="none": nothing is joined
 
 
 class SyncError(RuntimeError):
@@ -61,6 +63,9 @@ class _Loop:
         return self.submit(coro).result(timeout)
 
     def close(self) -> None:
+        if self._thread.is_alive():  # what lives on this loop (the client's HTTP session) is closed first
+            with contextlib.suppress(Exception):
+                self.run(self.loop.shutdown_asyncgens(), 5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
 
@@ -533,9 +538,13 @@ class DistributedWeightSync(WeightSync):
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
                  load_format: str = "flattened_bucket", backend: Optional[str] = None, gpus_per_server: int = 1,
-                 master_address: Optional[str] = None, **kw: Any):
+                 master_address: Optional[str] = None, data_plane: str = "broadcast", **kw: Any):
         from mega_async.trainer.weights import Resharder
 
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane={data_plane!r}: use broadcast (none: the simulated fleet's control-plane "
+                             "benchmark, never a run)")
+        self.data_plane = data_plane  # a constructor seam for tools/bench_scale.py and tests; no config key sets it
         super().__init__(models, version, rollout, **kw)
         if load_format not in ("flattened_bucket", "tensor"):
             raise ValueError(f"load_format={load_format!r}: use flattened_bucket or tensor")
@@ -582,6 +591,8 @@ class DistributedWeightSync(WeightSync):
 
         port = free_port()
         self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
+        if self.data_plane == "none":
+            return self._init_control_plane_only(address, port)
         fut = self._loop.submit(self.client.init_weights_update_group(
             address, port, self.group_name, backend=self.backend, gpus_per_server=self.gpus_per_server,
             timeout=self.timeout))
@@ -595,6 +606,19 @@ class DistributedWeightSync(WeightSync):
         except Exception as e:  # noqa: BLE001
             self._init_error = f"{self.group_name}: {type(e).__name__}: {e}"
             fut.cancel()
+
+    def _init_control_plane_only(self, address: str, port: int) -> None:
+        """data_plane="none": the servers are told of a group nobody joins and no tensor moves. Only simulated fleet
+        servers that say so in /server_info take part (a real server would wait for a broadcast)."""
+        infos = self._loop.run(self.client.server_info(self.timeout), self.timeout + 10)
+        real = [a for a, i in zip(self.client.addresses, infos) if (i.get("fleet") or {}).get("data_plane") != "none"]
+        if real:
+            raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} has "
+                             "one: use the default data_plane='broadcast'")
+        self._loop.run(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
+                                                             gpus_per_server=self.gpus_per_server,
+                                                             timeout=self.timeout), self.timeout + 10)
+        self.pg = NO_DATA_PLANE
 
     def _update(self, target: int) -> Optional[str]:
         """Stream this stage's buckets; bucket k is broadcast and loaded while bucket k+1 is gathered (at most
@@ -682,6 +706,9 @@ class DistributedWeightSync(WeightSync):
         order = list(range(len(bucket.names)))
         if self.load_format == "flattened_bucket":
             order = aligned_order(bucket.tensors)
+        if self.pg is NO_DATA_PLANE:
+            payload = []  # data_plane="none": only the control messages
+        elif self.load_format == "flattened_bucket":
             payload = [torch.cat([bucket.tensors[i].reshape(-1).view(torch.uint8) for i in order]).to(dev)]
         else:
             payload = [t.to(dev) for t in bucket.tensors]
@@ -735,7 +762,8 @@ class DistributedWeightSync(WeightSync):
             from mega_async.comm import destroy_custom_process_group
 
             with contextlib.suppress(Exception):
-                destroy_custom_process_group(self.pg)
+                if self.pg is not NO_DATA_PLANE:
+                    destroy_custom_process_group(self.pg)
             self.pg = None
             self._group_on_servers = True
 
