@@ -153,6 +153,9 @@ class TrainerConfig:
     weight_sync: str = "distributed"  # distributed (torch.distributed broadcast) | disk (HF dirs the servers load)
     sync_bucket_bytes: int = 512 << 20  # byte budget of one weight bucket (a layer's experts never split)
     sync_load_format: str = "flattened_bucket"  # flattened_bucket (one buffer per bucket) | tensor (one per tensor)
+    # model_dtype: weights as trained (model.dtype) | fp8_block: e4m3 in the 128x128 blocks of model.path's FP8
+    # checkpoint plus each weight's weight_scale_inv, what servers started on it load (mega_async.bridge.fp8)
+    sync_weight_format: str = "model_dtype"
     sync_backend: Optional[str] = None  # gloo | nccl; null = nccl with CUDA, else gloo
     sync_timeout: float = 300.0  # seconds for one group set-up, bucket or server reply
     sync_master_address: Optional[str] = None  # where servers reach the trainer's stage heads; null = route to them
@@ -366,6 +369,10 @@ def validate(cfg: RunConfig) -> None:
     _choice("trainer.weight_sync", t.weight_sync, ("distributed", "disk"))
     _positive("trainer.sync_bucket_bytes", t.sync_bucket_bytes)
     _choice("trainer.sync_load_format", t.sync_load_format, ("flattened_bucket", "tensor"))
+    _choice("trainer.sync_weight_format", t.sync_weight_format, ("model_dtype", "fp8_block"))
+    if t.sync_weight_format == "fp8_block" and t.verify_sync and t.verify_sync_method == "probe":
+        raise ConfigError("trainer.verify_sync_method=probe compares the servers' logprobs with the trainer's, which "
+                          "FP8 weights change by design (trainer.sync_weight_format=fp8_block): use checksum or auto")
     if t.sync_backend is not None:
         _choice("trainer.sync_backend", t.sync_backend, ("gloo", "nccl"))
     _positive("trainer.sync_timeout", t.sync_timeout)

@@ -403,7 +403,7 @@ def make_sync(cfg: RunConfig, engine: Any, version: WeightVersion, service: Opti
     rollout = RolloutSide(service.engine, executor) if service is not None else None
     kw = dict(timeout=t.sync_timeout, verify=engine.compute_logprobs if t.verify_sync else None,
               verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group, events=events,
-              verify_method=t.verify_sync_method, interrupt=cfg.rollout.interrupt)
+              verify_method=t.verify_sync_method, interrupt=cfg.rollout.interrupt, weight_format=t.sync_weight_format)
     if t.weight_sync == "disk":
         return DiskWeightSync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
                               keep=t.keep_weight_versions, **kw)

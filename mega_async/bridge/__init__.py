@@ -17,6 +17,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from mega_async.bridge import fp8
+
 logger = logging.getLogger("mega_async.bridge")
 
 _EXPERT_LOCAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
@@ -154,11 +156,15 @@ class _SafetensorsDir:
                     self._where[k] = f
         self._open: dict[Path, Any] = {}
         self._safe_open = safe_open
+        self.fp8_block = fp8.dir_block(self.dir)  # FP8 block checkpoints (DeepSeek-V3's) load dequantized
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
+        return fp8.dequantize_stored(name, self._raw(name), self._raw, self.fp8_block, self.dir)
+
+    def _raw(self, name: str) -> torch.Tensor:
         f = self._where[name]
         if f not in self._open:
             self._open[f] = self._safe_open(str(f), framework="pt")

@@ -63,12 +63,28 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan
         check_model(hf)  # what the trainer would refuse at start (e.g. MTP layers), refused before sbatch
     except UnsupportedModelError as e:
         raise LaunchError(str(e)) from None
+    _check_weight_format(cfg, hf)
     plan = plan_job(alloc, launch.nodes, launch.gpus_per_node, backend=cfg.inference.backend, hf_config=hf,
                     dtype=cfg.model.dtype, gpu_memory_gib=launch.gpu_memory_gib)  # servers and trainer use model.dtype
     train_args = ["-c", str(Path(args.config).resolve()), *args.overrides]
     script = render_job(plan, cfg, train_args, workdir=workdir, partition=launch.partition, time=launch.time,
                         requeue=args.requeue)
     return cfg, plan, script
+
+
+def _check_weight_format(cfg: RunConfig, hf: object) -> None:
+    """SGLang servers started on an FP8 block checkpoint load updates as FP8 blocks (and only those)."""
+    from mega_async.launcher.fit import fp8_block_size
+
+    fp8 = fp8_block_size(hf) is not None
+    fmt = cfg.trainer.sync_weight_format
+    if fp8 and cfg.inference.backend == "sglang" and fmt != "fp8_block":
+        raise LaunchError(f"model.path={cfg.model.path} is an FP8 block checkpoint: the SGLang servers started on it "
+                          f"load FP8 weights with their weight_scale_inv, not {fmt}; set "
+                          "trainer.sync_weight_format=fp8_block")
+    if fmt == "fp8_block" and not fp8:
+        raise LaunchError(f"trainer.sync_weight_format=fp8_block needs model.path={cfg.model.path} to be an FP8 block "
+                          "checkpoint (config.json quantization_config: quant_method fp8, weight_block_size)")
 
 
 def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:

@@ -240,7 +240,7 @@ class WeightSync:
         probe: every server's logprobs for a fixed prompt equal the trainer's own (`verify_tol`); returns the
         largest difference. checksum: every server's `/weights_checker` checksum changed since the last verify
         and servers of one layout agree (real SGLang in bf16, where logprobs differ from the trainer's); returns
-        0. auto: probe when every server is an embedded one, else checksum."""
+        0. auto: probe when every server is an embedded one and the sync sends the trainer's dtype, else checksum."""
         method = self.verify_method
         if method == "auto":
             method = from_rank0(self._auto_method() if self.rollout is not None else None, self.group)
@@ -252,6 +252,8 @@ class WeightSync:
         return self._verify_probe(prompt_len, new_tokens)
 
     def _auto_method(self) -> str:
+        if getattr(self, "fp8_block", None) is not None:
+            return "checksum"  # FP8 servers' logprobs differ from the trainer's by the quantization itself
         client = self.rollout.client
         if not hasattr(client, "learn_releases"):
             return "probe"
@@ -452,8 +454,10 @@ class DiskWeightSync(WeightSync):
     stage head writes its own shards), the servers load it, and only the newest `keep` stay."""
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
-                 root: str | Path, src_dir: Optional[str] = None, keep: int = 2, **kw: Any):
+                 root: str | Path, src_dir: Optional[str] = None, keep: int = 2, weight_format: str = "model_dtype",
+                 **kw: Any):
         super().__init__(models, version, rollout, **kw)
+        self.fp8_block = _fp8_block(models, weight_format)
         self.root = Path(root).resolve()
         self.src_dir = src_dir
         self.keep = max(1, keep)
@@ -466,7 +470,7 @@ class DiskWeightSync(WeightSync):
         from mega_async.trainer.weights import save_hf_checkpoint
 
         t0 = time.perf_counter()
-        save_hf_checkpoint(self.models, self.path(target), src_dir=self.src_dir)
+        save_hf_checkpoint(self.models, self.path(target), src_dir=self.src_dir, fp8_block=self.fp8_block)
         self.last = {"export_s": time.perf_counter() - t0}
 
     def _update(self, target: int) -> Optional[str]:
@@ -519,6 +523,27 @@ class DiskWeightSync(WeightSync):
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _fp8_block(models: Sequence[torch.nn.Module], weight_format: str) -> Optional[tuple[int, int]]:
+    """trainer.sync_weight_format: None (the trainer's dtype) or the FP8 block of the servers' checkpoint."""
+    from mega_async.bridge import bridge_for, fp8
+
+    if weight_format == "model_dtype":
+        return None
+    return fp8.sync_block(weight_format, bridge_for(models).hf_config if models else None)
+
+
+def _fp8_bucket(bucket: Any, block: tuple[int, int], resharder: Any) -> Any:
+    """The bucket as an FP8 block checkpoint holds it (each weight with its weight_scale_inv, in one bucket)."""
+    from mega_async.bridge import fp8
+    from mega_async.trainer.weights import Bucket
+
+    out = Bucket()
+    skip = fp8.skipped_modules(resharder.bridge.hf_config)
+    for name, t in fp8.quantize_named(zip(bucket.names, bucket.tensors), block, skip):
+        out.add(name, t)
+    return out
+
+
 def _reachable_address(server_addresses: Sequence[str]) -> str:
     """The local address the servers can reach this host at (the route to the first server)."""
     host = urlparse(server_addresses[0] if "://" in server_addresses[0] else f"http://{server_addresses[0]}").hostname
@@ -538,7 +563,8 @@ class DistributedWeightSync(WeightSync):
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
                  load_format: str = "flattened_bucket", backend: Optional[str] = None, gpus_per_server: int = 1,
-                 master_address: Optional[str] = None, data_plane: str = "broadcast", **kw: Any):
+                 master_address: Optional[str] = None, weight_format: str = "model_dtype",
+                 data_plane: str = "broadcast", **kw: Any):
         from mega_async.trainer.weights import Resharder
 
         if data_plane not in DATA_PLANES:
@@ -546,6 +572,7 @@ class DistributedWeightSync(WeightSync):
                              "benchmark, never a run)")
         self.data_plane = data_plane  # a constructor seam for tools/bench_scale.py and tests; no config key sets it
         super().__init__(models, version, rollout, **kw)
+        self.fp8_block = _fp8_block(models, weight_format)
         if load_format not in ("flattened_bucket", "tensor"):
             raise ValueError(f"load_format={load_format!r}: use flattened_bucket or tensor")
         self.resharder = Resharder(models, bucket_bytes=bucket_bytes)
@@ -656,7 +683,8 @@ class DistributedWeightSync(WeightSync):
                 if pending is not None:
                     self._finish(pending, stats)
                     pending = None
-                pending = self._start(bucket, target, stats)
+                pending = self._start(bucket if self.fp8_block is None else _fp8_bucket(bucket, self.fp8_block,
+                                                                                         self.resharder), target, stats)
             except Exception as e:  # noqa: BLE001
                 error, pending = f"{type(e).__name__}: {e}", None
         if pending is not None and error is None:

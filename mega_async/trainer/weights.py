@@ -276,10 +276,14 @@ def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, 
 
 
 def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
-                       max_shard_bytes: int = 2 << 30, progress: bool = False) -> dict[str, int]:
+                       max_shard_bytes: int = 2 << 30, progress: bool = False,
+                       fp8_block: Any = None) -> dict[str, int]:
     """HF safetensors (+ index, config, tokenizer files from `src_dir`), written by each pipeline stage's
-    head for its own layers (a shared filesystem across nodes), into `<out>.partial`, renamed at the end."""
+    head for its own layers (a shared filesystem across nodes), into `<out>.partial`, renamed at the end.
+    `fp8_block` (rows, cols): the linear weights go as an FP8 block checkpoint (`mega_async.bridge.fp8`)."""
     from safetensors.torch import save_file
+
+    from mega_async.bridge import fp8
 
     rs = Resharder(models, bucket_bytes=max_shard_bytes)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -298,8 +302,10 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
         buckets = tqdm(buckets, desc=f"export HF shards (stage {rs.pp_rank})", unit="shard")
     for i, b in enumerate(buckets):
         fname = f"model-pp{rs.pp_rank:03d}-{i:05d}.safetensors"
-        save_file(dict(zip(b.names, b.tensors)), str(tmp / fname), metadata={"format": "pt"})
-        written.append((fname, b.names, b.nbytes))
+        named = dict(zip(b.names, b.tensors) if fp8_block is None else
+                     fp8.quantize_named(zip(b.names, b.tensors), fp8_block, fp8.skipped_modules(rs.bridge.hf_config)))
+        save_file(named, str(tmp / fname), metadata={"format": "pt"})
+        written.append((fname, list(named), sum(t.numel() * t.element_size() for t in named.values())))
     every: list = [written]
     if dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
@@ -320,6 +326,9 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
                     shutil.copy2(f, tmp / f.name)
         if not (tmp / "config.json").exists():
             rs.bridge.hf_config.save_pretrained(str(tmp))
+        config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
+        if fp8.config_for(config, fp8_block) != config:
+            (tmp / "config.json").write_text(json.dumps(fp8.config_for(config, fp8_block), indent=2) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -131,6 +131,11 @@ def test_recipes_validate_and_render(capsys, recipe, gpu):
      "ep=256 does not divide num_experts=384"),
     ("glm45_355b_a32b_gsm8k_10x8.yaml", ["--nodes", "10", "parallel.allocation=sglang:d2t8e8+megatron:d1p4t16e16"],
      "tp=16 does not divide num_key_value_heads=8"),
+    # servers on an FP8 checkpoint load FP8 blocks; a bf16 checkpoint has none to send
+    ("deepseek_v3_gsm8k_18x8.yaml", ["trainer.sync_weight_format=model_dtype"],
+     "is an FP8 block checkpoint: the SGLang servers started on it load FP8 weights with their weight_scale_inv"),
+    ("glm45_355b_a32b_gsm8k_10x8.yaml", ["trainer.sync_weight_format=fp8_block"],
+     "trainer.sync_weight_format=fp8_block needs model.path=models/glm-4.5 to be an FP8 block checkpoint"),
 ])
 def test_what_does_not_fit_is_one_line(capsys, recipe, args, message):
     rc, script, err = dry_run(capsys, recipe, *args)

@@ -29,6 +29,7 @@ from mega_async.inference.server.protocol import (QUEUE_FULL, BadRequest, BodyUn
 from mega_async.inference.server.updates import WeightUpdates
 from mega_async.inference.server.weight_checker import WeightChecker, parse_check
 from mega_async.inference.server.weight_checker import reply_body as checker_reply
+from mega_async.inference.server.weights import load_pretrained
 from mega_async.inference.sglang_releases import MIRRORED_DEFAULT, Release
 
 logger = logging.getLogger("mega_async.inference.server")
@@ -130,7 +131,7 @@ class EmbeddedServer:
                  sglang_version: str = MIRRORED_DEFAULT, enable_memory_saver: bool = False,
                  enable_custom_logit_processor: bool = False, max_queued_requests: Optional[int] = None,
                  max_requests_per_body: int = 1 << 14):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         self.model_path = str(Path(model_path).resolve())
         self.served_model_name = served_model_name or self.model_path
@@ -140,7 +141,7 @@ class EmbeddedServer:
         self.enable_return_routed_experts = enable_return_routed_experts
         # reported in /server_info as started (SGLang's flags, default off); memory is released either way
         self.enable_memory_saver, self.enable_custom_logit_processor = enable_memory_saver, enable_custom_logit_processor
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[dtype]).to(device)
+        model = load_pretrained(self.model_path, DTYPES[dtype], device)  # FP8 block checkpoints dequantized
         try:
             tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         except (OSError, ValueError):

@@ -25,7 +25,7 @@ from mega_async.inference.server.protocol import (BadRequest, DistributedUpdate,
                                                   parse_group_name, parse_init_group, parse_update_distributed,
                                                   result_body, unflatten, validate_request)
 from mega_async.inference.server.weights import (WeightBackup, WeightLoadError, check_layout, load_named_tensors,
-                                          read_safetensors_dir)
+                                          read_safetensors_dir, updates_dequantized)
 
 logger = logging.getLogger("mega_async.inference.server.updates")
 
@@ -261,7 +261,8 @@ class WeightUpdates:
             fmt = body.get("load_format")
             if fmt not in (None, "auto", "safetensors"):
                 raise WeightLoadError(f"load_format {fmt!r} is not supported (safetensors only)")
-            tensors = await loop.run_in_executor(None, lambda: list(read_safetensors_dir(d, self.weights_root)))
+            tensors = await loop.run_in_executor(None, lambda: list(updates_dequantized(
+                self.engine.model, read_safetensors_dir(d, self.weights_root))))
             async with self._lock:
                 n = await self._load(body, tensors, True, window)
         except Exception as e:  # noqa: BLE001 - every load failure answers the same body
@@ -337,8 +338,10 @@ class WeightUpdates:
             return await self._failed(window, what, str(refused))
         problem = self._poisoned(window)  # the layout is known: receive, then refuse
         if problem is None:
-            try:
-                check_layout(self.engine.model, [(s.name, s.shape, s.dtype) for s in upd.specs])
+            try:  # an FP8 server: each weight_scale_inv is checked with its weight, after the receive
+                check_layout(self.engine.model, [(s.name, s.shape, s.dtype) for s in upd.specs
+                                                 if not (getattr(self.engine.model, "fp8_block", None)
+                                                         and s.name.endswith("_scale_inv"))])
             except WeightLoadError as e:
                 problem = str(e)
         async with self._lock:
@@ -350,6 +353,7 @@ class WeightUpdates:
             if problem is not None:
                 return await self._failed(window, what, problem)
             try:
+                named = list(updates_dequantized(self.engine.model, named))
                 n = await self._load(body, named, False, window)
             except (WeightLoadError, RuntimeError, ValueError) as e:
                 return await self._failed(window, what, str(e))

@@ -168,3 +168,46 @@ def read_safetensors_dir(path: str | Path, root: Optional[str | Path] = None) ->
             raise
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
             raise WeightLoadError(f"cannot read {f.name}: {type(e).__name__}: {e}") from None
+
+
+def load_pretrained(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
+    """transformers' model of an HF directory. An FP8 block checkpoint (DeepSeek-V3's format) is built from its
+    config in `dtype` and loaded dequantized on the CPU (transformers' own FP8 path needs a GPU); its block is
+    then the model's `fp8_block`, what later updates must be in too (`updates_dequantized`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from mega_async.bridge import fp8
+
+    block = fp8.dir_block(path)
+    if block is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    cfg = AutoConfig.from_pretrained(path)
+    del cfg.quantization_config  # the weights are dequantized here: a plain model
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    except OSError:
+        pass
+    tensors = read_safetensors_dir(path)
+    load_named_tensors(model, fp8.dequantize_named(tensors, block), strict=True)
+    model.fp8_block = block
+    return model.to(device)
+
+
+def updates_dequantized(model: torch.nn.Module,
+                        named: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """An update's tensors for the live model: on a server started on an FP8 block checkpoint, each FP8 weight and
+    its weight_scale_inv become the dequantized weight (SGLang's FP8 server loads both); elsewhere an FP8 weight
+    is refused (its values mean nothing without the scale the model has no place for)."""
+    from mega_async.bridge import fp8
+
+    block = getattr(model, "fp8_block", None)
+    if block is not None:
+        return fp8.dequantize_named(named, block)
+    named = list(named)
+    for name, t in named:
+        if t.dtype == fp8.FP8:
+            raise WeightLoadError(f"weight {name!r} is float8_e4m3fn but this server was not started on an FP8 "
+                                  "block checkpoint (start it on one, or send the trainer's dtype: "
+                                  "trainer.sync_weight_format=model_dtype)")
+    return named
