@@ -19,10 +19,14 @@ from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
-RUNS = [("tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d2e2"),
-        ("tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d1t2"),
-        ("tiny_glm_cpu", TINY_GLM, "sglang:d1+megatron:d2e2"),
-        ("tiny_glm_cpu", TINY_GLM, "sglang:d1+megatron:d1t2")]
+# CI's slow step runs one layout per family (its 90 minutes): DeepSeek at EP2 (MLA + experts over EP), GLM at TP2
+# (q/k/v bias and shared experts split over TP). The other two pairs passed in the session that added them
+# (README); MEGA_ASYNC_ALL_FAMILY_RUNS=1 runs all four.
+ALL_RUNS = [("tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d2e2"),
+            ("tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d1t2"),
+            ("tiny_glm_cpu", TINY_GLM, "sglang:d1+megatron:d2e2"),
+            ("tiny_glm_cpu", TINY_GLM, "sglang:d1+megatron:d1t2")]
+RUNS = ALL_RUNS if os.environ.get("MEGA_ASYNC_ALL_FAMILY_RUNS") == "1" else [ALL_RUNS[0], ALL_RUNS[3]]
 
 
 @pytest.mark.parametrize("config, card, allocation", RUNS,
