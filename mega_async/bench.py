@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import platform
@@ -46,6 +47,8 @@ class Scenario:
     description: str = ""
     repeats: int = 3
     train: Optional[dict[str, Any]] = None  # {config, overrides}
+    sft: Optional[dict[str, Any]] = None  # {config, overrides}: a `mega-async sft` run first, its model trained on
+    accuracy: Optional[dict[str, Any]] = None  # {target, window}: accuracy figures from the run's reward
     executor: Optional[dict[str, Any]] = None  # {trajectories, batch, eta}
     figures: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {better, threshold, max_tolerance}
     path: str = ""
@@ -55,13 +58,13 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and validate one scenario YAML."""
     p = Path(path)
     raw = yaml.safe_load(p.read_text()) or {}
-    known = {"name", "description", "repeats", "train", "executor", "figures"}
+    known = {"name", "description", "repeats", "train", "executor", "figures", "sft", "accuracy"}
     unknown = set(raw) - known
     if unknown:
         raise BenchError(f"{p}: unknown key(s) {sorted(unknown)}; a scenario has {sorted(known)}")
     s = Scenario(name=raw.get("name") or p.stem, description=raw.get("description", ""),
                  repeats=raw.get("repeats", 3), train=raw.get("train"), executor=raw.get("executor"),
-                 figures=raw.get("figures") or {}, path=str(p))
+                 figures=raw.get("figures") or {}, sft=raw.get("sft"), accuracy=raw.get("accuracy"), path=str(p))
     if not isinstance(s.repeats, int) or s.repeats < 1:
         raise BenchError(f"{p}: repeats={s.repeats!r} must be a positive integer")
     if s.train is None and s.executor is None:
@@ -70,6 +73,7 @@ def load_scenario(path: str | Path) -> Scenario:
         bad = set(s.train) - {"config", "overrides"}
         if bad or "config" not in s.train:
             raise BenchError(f"{p}: train: takes config (a run YAML) and overrides (a list), got {sorted(s.train)}")
+    _check_task_sections(s, p)
     if s.executor is not None:
         bad = set(s.executor) - {"trajectories", "batch", "eta", "rounds"}
         if bad:
@@ -80,6 +84,21 @@ def load_scenario(path: str | Path) -> Scenario:
             raise BenchError(f"{p}: figures.{fig} needs better: higher|lower and threshold: a relative change >= 0 "
                              f"(e.g. 0.3), got {rule!r}")
     return s
+
+
+def _check_task_sections(s: Scenario, p: Path) -> None:
+    if s.sft is not None:
+        if s.train is None or not isinstance(s.sft, dict) or set(s.sft) - {"config", "overrides"} \
+                or "config" not in s.sft:
+            raise BenchError(f"{p}: sft: takes config (an SFT YAML) and overrides (a list) and needs a train: section "
+                             f"that trains from its model, got {s.sft!r}")
+    if s.accuracy is not None:
+        a = s.accuracy
+        if s.train is None or not isinstance(a, dict) or set(a) - {"target", "window"} \
+                or not isinstance(a.get("target"), (int, float)) or not isinstance(a.get("window", 3), int) \
+                or a.get("window", 3) < 1:
+            raise BenchError(f"{p}: accuracy: takes target (a reward, e.g. 0.5) and window (steps >= 1, default 3) "
+                             f"and needs a train: section, got {a!r}")
 
 
 def find_scenarios(names: Sequence[str] = ()) -> list[Scenario]:
@@ -134,9 +153,45 @@ class PeakRSS:
         self._t.join()
 
 
+def accuracy_figures(history: Sequence[dict], target: float, window: int = 3) -> dict[str, Optional[float]]:
+    """A task's learning figures from the per-step reward (exact match for the addition task): the mean over the
+    last `window` steps (the accuracy at the run's final step) and the elapsed seconds at the first step whose
+    `window`-step mean reaches `target` (None: never, which the gate counts as a lost figure)."""
+    pts = [(float(h["elapsed_s"]), float(h["reward_mean"])) for h in history
+           if isinstance(h.get("reward_mean"), (int, float))]
+    means = [(pts[i][0], statistics.fmean(r for _, r in pts[i - window + 1:i + 1])) for i in range(window - 1, len(pts))]
+    return {"accuracy_at_step": means[-1][1] if means else None,
+            "time_to_accuracy_s": next((t for t, m in means if m >= target), None)}
+
+
+def prepare_sft(sft: dict[str, Any], cache_root: Path, timeout: float = 3600.0) -> Path:
+    """The SFT run a scenario trains from: `mega-async sft` once per config and overrides (cached under
+    `cache_root/<hash>`: repeats and later nights reuse it); returns its run directory."""
+    import hashlib
+    import shutil
+
+    cfg = Path(sft["config"])
+    ov = [str(o) for o in sft.get("overrides", [])]
+    key = hashlib.sha256((cfg.read_text() if cfg.exists() else str(cfg)).encode() + repr(ov).encode()).hexdigest()[:12]
+    run = cache_root / "bench_sft" / key
+    if (run / "final_hf" / "config.json").exists() and (run / "sft_eval.json").exists():
+        return run
+    shutil.rmtree(run, ignore_errors=True)
+    cmd = [sys.executable, "-m", "mega_async.cli", "sft", "-c", str(cfg), *ov, f"logging.root_dir={cache_root}",
+           "experiment_name=bench_sft", f"trial_name={key}"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    logger.info("sft for the scenario: %s", " ".join(cmd))
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"bench sft run failed (exit {r.returncode}): {tail}")
+    return run
+
+
 def run_train(config: str, overrides: Sequence[str], run_root: Path, trial: str,
-              timeout: float = 1800.0) -> dict[str, Any]:
-    """One training run in a subprocess; its figures from metrics.jsonl plus the peak memory."""
+              timeout: float = 1800.0, accuracy: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+    """One training run in a subprocess; its figures from metrics.jsonl plus the peak memory (and, with
+    `accuracy` {target, window}, the accuracy figures)."""
     from mega_async.report import read_metrics, summarize
 
     cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(config), *overrides,
@@ -155,8 +210,11 @@ def run_train(config: str, overrides: Sequence[str], run_root: Path, trial: str,
     if proc.returncode != 0:
         tail = (err.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"bench run {trial} failed (exit {proc.returncode}): {tail}")
-    s = summarize(read_metrics(run_root / "bench" / trial))
+    history = read_metrics(run_root / "bench" / trial)
+    s = summarize(history)
     figs = {k: s.get(k) for k in TRAIN_FIGURES}
+    if accuracy is not None:
+        figs.update(accuracy_figures(history, float(accuracy["target"]), int(accuracy.get("window", 3))))
     figs.update({f"split_{k}": s.get("split", {}).get(k) for k in SPLIT_FIGURES})
     figs["peak_rss_mib"] = mem.peak / 2**20 if mem.peak else None
     return {"figures": figs, "staleness_hist": s.get("staleness_hist", {})}
@@ -213,17 +271,25 @@ def executor_overhead(trajectories: int = 20000, batch: int = 64, eta: int = 2, 
             "executor_vs_direct_cpu_ratio": med(ce / cd for (_, ce), (_, cd) in zip(e, d) if cd > 0)}
 
 
-def run_scenario(s: Scenario, run_root: Path) -> dict[str, Any]:
-    """All repeats of one scenario: per-figure values, medians and relative spreads."""
+def run_scenario(s: Scenario, run_root: Path, sft_cache: Optional[Path] = None) -> dict[str, Any]:
+    """All repeats of one scenario: per-figure values, medians and relative spreads. A scenario with `sft:`
+    first gets its SFT model (cached in `sft_cache`) and trains from it (model.path, data.path)."""
     values: dict[str, list[Optional[float]]] = {}
     hist: dict[str, int] = {}
+    train_ov = list(s.train.get("overrides", [])) if s.train is not None else []
+    sft_figs: dict[str, Any] = {}
+    if s.sft is not None:
+        sft_dir = prepare_sft(s.sft, sft_cache or run_root)
+        train_ov += [f"model.path={sft_dir / 'final_hf'}", f"data.path={sft_dir / 'rl_prompts.jsonl'}"]
+        ev = json.loads((sft_dir / "sft_eval.json").read_text())
+        sft_figs = {"sft_accuracy_greedy": ev["greedy"], "sft_accuracy_sampled": ev["sampled_t1"]}
     for i in range(s.repeats):
-        figs: dict[str, Any] = {}
+        figs: dict[str, Any] = dict(sft_figs)
         if s.executor is not None:
             e = executor_overhead(**s.executor)
             figs.update({k: v for k, v in e.items() if k != "trajectories"})
         if s.train is not None:
-            t = run_train(s.train["config"], s.train.get("overrides", []), run_root, f"{s.name}_r{i}")
+            t = run_train(s.train["config"], train_ov, run_root, f"{s.name}_r{i}", accuracy=s.accuracy)
             figs.update(t["figures"])
             for k, v in t["staleness_hist"].items():
                 hist[str(k)] = hist.get(str(k), 0) + v
@@ -274,6 +340,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--result", default=None, help="compare this recorded result instead of running anything")
     ap.add_argument("--repeats", type=int, default=None, help="override every scenario's repeats")
     ap.add_argument("--history-dir", default="benchmarks/history", help="history.jsonl and history.png go here")
+    ap.add_argument("--sft-cache", default="runs/bench_sft_cache",
+                    help="SFT runs of scenarios with sft: (one per config, reused across nights)")
     ap.add_argument("--no-history", action="store_true", help="do not append to the history")
     ap.add_argument("--noise-k", type=float, default=2.0, help="tolerance >= noise_k x the relative spread")
     return ap.parse_args(argv)
@@ -291,7 +359,7 @@ def _measure(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mega_async_bench_") as tmp:
         for s in scenarios:
             logger.info("scenario %s: %d repeat(s) (%s)", s.name, s.repeats, s.path)
-            result["scenarios"][s.name] = run_scenario(s, Path(tmp))
+            result["scenarios"][s.name] = run_scenario(s, Path(tmp), Path(a.sft_cache).resolve())
     result["machine"]["load_avg_after"] = list(os.getloadavg())
     return result
 

@@ -1,0 +1,143 @@
+"""tools/bench_paper.py: the variants, the statistics (Student-t intervals, time to target, same-step accuracy),
+the sweep's resume of a half-done sweep, and table + figures from recorded results."""
+import importlib.util
+import json
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("bench_paper", ROOT / "tools" / "bench_paper.py")
+bp = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bp)
+
+
+def test_variants_cover_the_paper_sweep():
+    names = [v["name"] for v in bp.all_variants()]
+    assert names[0] == "sync" and len(names) == len(set(names)) == 1 + 2 * 5 + 1 + 6
+    for e in (1, 2, 4, 8, 16):
+        assert {f"eta{e}-dec", f"eta{e}-ppo", f"eta{e}-dec-unpinned"} <= set(names)
+    v = {x["name"]: x for x in bp.all_variants()}
+    assert v["eta4-dec-nointr"]["interrupt"] == "none" and v["eta8-ppo"]["objective"] == "ppo"
+    assert not v["sync-unpinned"]["pin"] and v["sync"]["pin"]
+    assert [x["name"] for x in bp.pick(bp.all_variants(), "sync,eta1-*")] == [
+        "sync", "eta1-dec", "eta1-ppo", "eta1-dec-unpinned"]
+    with pytest.raises(SystemExit, match="eta3"):
+        bp.pick(bp.all_variants(), "eta3-dec")
+    ov = bp.overrides(v["eta8-ppo"], 3, 100, Path("/r"), Path("/s"))
+    assert "algorithm.prox_logp=behavior" in ov and "rollout.max_staleness=8" in ov and "seed=3" in ov
+    assert "model.path=/s/final_hf" in ov and "data.path=/s/rl_prompts.jsonl" in ov
+    assert "algorithm.prox_logp=recompute" in bp.overrides(v["eta8-dec"], 3, 100, Path("/r"), Path("/s"))
+
+
+def test_t_interval_by_hand():
+    s = bp.t_interval([1.0, 2.0, 3.0, 4.0, 5.0, None])
+    assert s["n"] == 5 and s["mean"] == 3.0
+    assert s["ci95"] == pytest.approx(2.776 * statistics.stdev([1, 2, 3, 4, 5]) / math.sqrt(5), rel=1e-9)
+    assert bp.t_interval([0.4])["ci95"] is None and bp.t_interval([None])["mean"] is None
+    assert bp.t_interval([2.0, 4.0])["ci95"] == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2))
+
+
+def test_t_quantiles_match_scipy():
+    st = pytest.importorskip("scipy.stats")
+    for df, q in enumerate(bp.T975, start=1):
+        assert q == pytest.approx(st.t.ppf(0.975, df), abs=6e-4)
+
+
+def curve(rewards, dt=10.0, tokens=100):
+    return [[i, dt * (i + 1), r, tokens * (i + 1)] for i, r in enumerate(rewards)]
+
+
+def test_time_to_target_and_reward_at():
+    c = curve([0.2, 0.9, 0.3, 0.7, 0.8, 0.9])
+    assert bp.time_to_target(c, 0.8, window=1) == 20.0  # one step above
+    assert bp.time_to_target(c, 0.75, window=3) == 60.0  # (0.7 + 0.8 + 0.9) / 3; (0.3 + 0.7 + 0.8) / 3 < 0.75
+    assert bp.time_to_target(c, 0.95) is None
+    assert bp.reward_at(c, 5, window=2) == pytest.approx(0.85) and bp.reward_at(c, 9) is None
+
+
+def fake(name, seed, eta=4, objective="dec", interrupt="abort", pin=True, rewards=(0.3, 0.5, 0.7), wall=30.0,
+         greedy=0.8, gen=500.0):
+    c = curve(rewards, dt=wall / len(rewards))
+    return {"name": name, "eta": eta, "objective": objective, "interrupt": interrupt, "pin": pin, "seed": seed,
+            "steps": len(rewards), "wall_s": wall, "reward_final": statistics.fmean(rewards),
+            "time_to_target_s": bp.time_to_target(c, 0.5, window=1), "gen_tokens_per_s": gen,
+            "gen_groups_per_s": gen / 50, "trained_tokens_per_s": c[-1][3] / wall, "staleness_mean": eta / 4,
+            "curve": c, "final_eval": {"greedy": greedy, "sampled_t1": greedy - 0.1}}
+
+
+def test_sweep_resumes_a_half_done_sweep(tmp_path):
+    variants = bp.pick(bp.all_variants(), "sync,eta4-dec")
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "sync_s1.json").write_text(json.dumps(fake("sync", 1, eta=0)))  # done before the cut
+    calls = []
+
+    def runner(v, seed):
+        calls.append((v["name"], seed))
+        if (v["name"], seed) == ("eta4-dec", 2):
+            raise RuntimeError("run eta4-dec_s2 failed (exit 1): boom")
+        return fake(v["name"], seed, eta=v["eta"])
+
+    results, failed = bp.sweep(variants, [1, 2], tmp_path, runner)
+    assert calls == [("eta4-dec", 1), ("sync", 2), ("eta4-dec", 2)]
+    assert len(results) == 3 and failed == ["eta4-dec_s2: run eta4-dec_s2 failed (exit 1): boom"]
+    assert not (tmp_path / "raw" / "eta4-dec_s2.json").exists()
+    calls.clear()
+
+    def again(v, seed):  # the machine recovered: the rerun makes only what is missing
+        calls.append((v["name"], seed))
+        return fake(v["name"], seed, eta=v["eta"])
+
+    results, failed = bp.sweep(variants, [1, 2], tmp_path, again)
+    assert calls == [("eta4-dec", 2)] and not failed and len(results) == 4
+    assert sorted(p.name for p in (tmp_path / "raw").iterdir()) == [
+        "eta4-dec_s1.json", "eta4-dec_s2.json", "sync_s1.json", "sync_s2.json"]
+
+
+def recorded():
+    runs = []
+    for seed, jitter in ((1, 0.0), (2, 0.05), (3, -0.05)):
+        runs.append(fake("sync", seed, eta=0, wall=60 + 10 * jitter, rewards=(0.3, 0.6, 0.8), gen=300))
+        for e in (1, 4):
+            runs.append(fake(f"eta{e}-dec", seed, eta=e, wall=30 + jitter, rewards=(0.3, 0.5 + jitter, 0.8)))
+            runs.append(fake(f"eta{e}-ppo", seed, eta=e, objective="ppo", rewards=(0.3, 0.4, 0.4 + jitter),
+                             greedy=0.5))
+            runs.append(fake(f"eta{e}-dec-unpinned", seed, eta=e, pin=False, wall=45))
+        runs.append(fake("eta4-dec-nointr", seed, interrupt="none", gen=350.0 + seed))
+        runs.append(fake("sync-unpinned", seed, eta=0, pin=False, wall=70))
+    return runs
+
+
+def test_aggregate_intervals_and_same_step():
+    runs = recorded()
+    runs.append(fake("eta1-dec", 4, eta=1, rewards=(0.3, 0.5)))  # a shorter run: same-step = its last step
+    rows = {r["name"]: r for r in bp.aggregate(runs)}
+    d = rows["eta1-dec"]
+    assert d["seeds"] == [1, 2, 3, 4] and d["same_step"] == 1 and d["reached"] == 4
+    assert d["acc_same_step"]["n"] == 4
+    assert rows["eta4-ppo"]["eval_greedy"]["mean"] == pytest.approx(0.5)
+    w = rows["sync"]["wall_s"]
+    assert w["mean"] == pytest.approx(60.0) and w["ci95"] == pytest.approx(4.303 * 0.5 / math.sqrt(3), rel=1e-6)
+
+
+def test_table_and_figures_from_recorded_results(tmp_path):
+    src = tmp_path / "rec"
+    (src / "raw").mkdir(parents=True)
+    for r in recorded():
+        (src / "raw" / f"{r['name']}_s{r['seed']}.json").write_text(json.dumps(r))
+    (src / "meta.json").write_text(json.dumps({"target": 0.5, "sft_eval": {"greedy": 0.3, "sampled_t1": 0.2,
+                                                                              "problems": 256}}))
+    out = tmp_path / "out"
+    assert bp.main(["--from-results", str(src), "--out", str(out)]) == 0
+    text = (out / "table2.md").read_text()
+    assert "SFT start: held-out exact match greedy 0.300" in text
+    assert "| eta4-ppo | 4 | naive PPO | abort | yes | 3 | 0.500 ± 0.000 |" in text
+    assert "| sync | 0 | decoupled | abort | yes | 3 |" in text and "(3/3)" in text
+    for f in ("fig5a", "fig5b", "fig5c", "fig6b"):
+        assert (out / f"{f}.png").read_bytes()[:4] == b"\x89PNG"
+    saved = json.loads((out / "runs.json").read_text())
+    assert len(saved["runs"]) == len(recorded())
+    assert bp.main(["--from-results", str(out / "runs.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "table2.md").read_text() == text

@@ -1,0 +1,431 @@
+"""The AReaL paper's Fig 5a/5b/5c, Fig 6b and Table 2 on the addition task, over seeds, with 95% intervals.
+
+    python tools/bench_paper.py --seeds 1,2,3,4,5                        # the whole sweep (resumes)
+    python tools/bench_paper.py --variants sync,eta4-dec --seeds 1 --steps 100   # a part of it
+    python tools/bench_paper.py --from-results benchmarks/paper          # figures and table again, no runs
+
+First the SFT model (`mega-async sft -c configs/addition_sft_cpu.yaml`, once: skipped when its final_hf/
+exists), then one `mega-async train` per (variant, seed) from it. Variants (names; `--variants` picks some):
+  sync                     max_staleness 0
+  eta{E}-dec / eta{E}-ppo  asynchronous at eta E in 1, 2, 4, 8, 16; decoupled objective (prox_logp=recompute)
+                           or naive PPO (prox_logp=behavior: the clip is centred on the behaviour policy)
+  eta{E}-dec-nointr        rollout.interrupt=none: weight syncs wait for generation in flight (Fig 6b)
+  ...-unpinned             the same without CPU pinning (every other run pins the servers and the trainer
+                           to disjoint halves of the CPUs: mega_async.pinning)
+Each finished run leaves <out>/raw/<variant>_s<seed>.json; a run whose file exists is skipped, so an
+interrupted sweep continues where it stopped. Intervals: Student-t 95% over seeds (mean +- t(0.975, n-1) s/sqrt n).
+Accuracy: the exact-match reward of the samples each step trains on (temperature 1; under staleness they come
+from older versions) for curves and time to target; the final weights' exact match on the held-out split
+(greedy, and sampled at temperature 1) for the table.
+"""
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ETAS = (1, 2, 4, 8, 16)
+INTERRUPT_ETAS = (4,)
+TAIL = 5  # final reward = mean of the last TAIL steps
+# t(0.975, df) for df = 1..30; past 30 the normal quantile is within 2%
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+# ---- variants ---------------------------------------------------------------------------------------
+def all_variants(etas: Sequence[int] = ETAS, interrupt_etas: Sequence[int] = INTERRUPT_ETAS) -> list[dict[str, Any]]:
+    """The sweep: sync, decoupled and naive PPO at each eta, the non-interruptible baseline, unpinned copies of
+    the throughput runs (sync and decoupled at each eta)."""
+    def v(name: str, eta: int, objective: str = "dec", interrupt: str = "abort", pin: bool = True) -> dict:
+        return {"name": name, "eta": eta, "objective": objective, "interrupt": interrupt, "pin": pin}
+
+    out = [v("sync", 0)]
+    for e in etas:
+        out += [v(f"eta{e}-dec", e), v(f"eta{e}-ppo", e, "ppo")]
+    out += [v(f"eta{e}-dec-nointr", e, interrupt="none") for e in interrupt_etas]
+    out += [v("sync-unpinned", 0, pin=False)] + [v(f"eta{e}-dec-unpinned", e, pin=False) for e in etas]
+    return out
+
+
+def pick(variants: list[dict], patterns: Optional[str]) -> list[dict]:
+    """Variants whose names match any of the comma-separated glob patterns (all when None)."""
+    if not patterns:
+        return variants
+    pats = [p.strip() for p in patterns.split(",") if p.strip()]
+    out = [v for v in variants if any(fnmatch.fnmatchcase(v["name"], p) for p in pats)]
+    unknown = [p for p in pats if not any(fnmatch.fnmatchcase(v["name"], p) for v in variants)]
+    if unknown:
+        raise SystemExit(f"bench_paper: no variant matches {', '.join(unknown)}; variants: "
+                         + ", ".join(v["name"] for v in variants))
+    return out
+
+
+def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path) -> list[str]:
+    return [f"rollout.max_staleness={v['eta']}", f"seed={seed}", f"trainer.total_steps={steps}",
+            f"algorithm.prox_logp={'recompute' if v['objective'] == 'dec' else 'behavior'}",
+            f"rollout.interrupt={v['interrupt']}", f"model.path={sft_dir / 'final_hf'}",
+            f"data.path={sft_dir / 'rl_prompts.jsonl'}", f"logging.root_dir={runs_dir}",
+            "experiment_name=bench_paper", f"trial_name={v['name']}_s{seed}", "logging.tensorboard=false"]
+
+
+# ---- one run ----------------------------------------------------------------------------------------
+def curve(history: Sequence[dict]) -> list[list[float]]:
+    """[step, elapsed_s, reward_mean, trained tokens so far] per step."""
+    out, tokens = [], 0.0
+    for h in history:
+        tokens += float(h.get("train/tokens", 0.0))
+        out.append([int(h["step"]), float(h["elapsed_s"]), float(h["reward_mean"]), tokens])
+    return out
+
+
+def time_to_target(c: Sequence[Sequence[float]], target: float, window: int = 3) -> Optional[float]:
+    """Elapsed seconds at the first step where the mean reward of the last `window` steps reaches `target`."""
+    for i in range(window - 1, len(c)):
+        if statistics.fmean(r[2] for r in c[i - window + 1:i + 1]) >= target:
+            return c[i][1]
+    return None
+
+
+def run_figures(history: Sequence[dict], target: float) -> dict[str, Any]:
+    """The figures of one run from its metrics (mega_async.report.summarize plus the paper's)."""
+    from mega_async.report import summarize
+
+    s = summarize(history, reward_threshold=target, tail=TAIL)
+    c = curve(history)
+    wall = s["wall_s"]
+    return {"wall_s": wall, "reward_final": s["reward_final"], "time_to_target_s": time_to_target(c, target),
+            "gen_tokens_per_s": s["gen_tokens_per_s"], "gen_groups_per_s": s["gen_groups_per_s"],
+            "trained_tokens_per_s": c[-1][3] / wall if wall else None,  # the paper's effective training throughput
+            "staleness_mean": s["staleness_mean"], "token_staleness_mean": s["token_staleness_mean"],
+            "sync_s": s["sync_s"], "split": s.get("split"), "curve": c}
+
+
+def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[str, Any]:
+    """One `mega-async train` in a subprocess (pinned through mega_async.pinning when the variant says so),
+    then the final weights scored on the held-out split."""
+    from mega_async.report import read_metrics
+
+    runs_dir = Path(a.runs_dir).resolve()
+    trial = f"{v['name']}_s{seed}"
+    shutil.rmtree(runs_dir / "bench_paper" / trial, ignore_errors=True)  # a run cut short starts again
+    entry = ["-m", "mega_async.pinning", "--"] if v["pin"] else ["-m", "mega_async.cli"]
+    cmd = [sys.executable, *entry, "train", "-c", a.config, *overrides(v, seed, a.steps, runs_dir, sft_dir),
+           *a.overrides]
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise RuntimeError(f"run {trial} failed (exit {r.returncode}): {tail}")
+    run_dir = runs_dir / "bench_paper" / trial
+    out = {**v, "seed": seed, "steps": a.steps, "process_s": round(time.monotonic() - t0, 2),
+           **run_figures(read_metrics(run_dir), a.target)}
+    out["final_eval"] = final_eval(run_dir / "final_hf", sft_dir / "eval.jsonl", seed)
+    return out
+
+
+def final_eval(model_dir: Path, eval_file: Path, seed: int) -> dict[str, float]:
+    import torch
+
+    from mega_async.data import load_rows
+    from mega_async.sft import evaluate_dir
+
+    torch.set_num_threads(1)
+    return evaluate_dir(model_dir, load_rows(eval_file), samples=4, seed=seed)
+
+
+def ensure_sft(a: argparse.Namespace) -> tuple[Path, dict]:
+    """The SFT run directory (trained now unless its final_hf/ exists) and its held-out evaluation."""
+    sft_dir = Path(a.sft_dir)
+    if not (sft_dir / "final_hf" / "config.json").exists():
+        root, exp, trial = sft_dir.parent.parent, sft_dir.parent.name, sft_dir.name
+        cmd = [sys.executable, "-m", "mega_async.cli", "sft", "-c", a.sft_config, f"logging.root_dir={root}",
+               f"experiment_name={exp}", f"trial_name={trial}"]
+        print("sft:", " ".join(cmd), flush=True)
+        shutil.rmtree(sft_dir, ignore_errors=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return sft_dir, json.loads((sft_dir / "sft_eval.json").read_text())
+
+
+# ---- the sweep ----------------------------------------------------------------------------------------
+def raw_path(out: Path, name: str, seed: int) -> Path:
+    return out / "raw" / f"{name}_s{seed}.json"
+
+
+def sweep(variants: list[dict], seeds: Sequence[int], out: Path,
+          runner: Callable[[dict, int], dict[str, Any]]) -> tuple[list[dict], list[str]]:
+    """Every (variant, seed) whose raw result is missing, seeds outermost (a drift in machine load hits every
+    variant alike); returns (all results found or made, failures). Each result is written as it finishes."""
+    results, failed = [], []
+    for seed in seeds:
+        for v in variants:
+            p = raw_path(out, v["name"], seed)
+            if p.exists():
+                results.append(json.loads(p.read_text()))
+                continue
+            try:
+                r = runner(v, seed)
+            except (RuntimeError, subprocess.SubprocessError) as e:
+                print(f"{v['name']} seed {seed}: FAILED: {e}", flush=True)
+                failed.append(f"{v['name']}_s{seed}: {e}")
+                continue
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_suffix(".json.tmp")
+            tmp.write_text(json.dumps(r) + "\n")
+            tmp.replace(p)
+            results.append(r)
+            fe = r.get("final_eval") or {}
+            print(f"{v['name']} seed {seed}: wall {r['wall_s']:.0f}s, final reward {r['reward_final']:.3f}, "
+                  f"held-out greedy {fe.get('greedy', float('nan')):.3f}, time to target {r['time_to_target_s']}",
+                  flush=True)
+    return results, failed
+
+
+def load_results(path: Path) -> tuple[list[dict], dict]:
+    """Raw results and meta from an output directory (raw/*.json, meta.json) or a runs.json."""
+    if path.is_dir():
+        runs = [json.loads(p.read_text()) for p in sorted((path / "raw").glob("*.json"))]
+        meta_p = path / "meta.json"
+        return runs, json.loads(meta_p.read_text()) if meta_p.exists() else {}
+    saved = json.loads(path.read_text())
+    return saved["runs"], saved.get("meta", {})
+
+
+# ---- statistics ---------------------------------------------------------------------------------------
+def t_interval(values: Sequence[Optional[float]]) -> dict[str, Any]:
+    """Mean and Student-t 95% half-width over the non-None values (half-width None with fewer than 2)."""
+    vals = [float(x) for x in values if x is not None]
+    n = len(vals)
+    if not n:
+        return {"mean": None, "ci95": None, "n": 0, "values": []}
+    mean = statistics.fmean(vals)
+    half = None
+    if n >= 2:
+        t = T975[n - 2] if n - 1 <= len(T975) else 1.96
+        half = t * statistics.stdev(vals) / math.sqrt(n)
+    return {"mean": mean, "ci95": half, "n": n, "values": vals}
+
+
+def reward_at(c: Sequence[Sequence[float]], step: int, window: int = TAIL) -> Optional[float]:
+    """Mean reward over the `window` steps ending at `step` (None when the run is shorter)."""
+    rows = [r for r in c if step - window < r[0] <= step]
+    return statistics.fmean(r[2] for r in rows) if rows and rows[-1][0] == step else None
+
+
+def aggregate(runs: list[dict]) -> list[dict[str, Any]]:
+    """Per variant: each figure's mean and 95% interval over seeds; time to target counts the seeds that got
+    there; accuracy at the step every run of the variant reached (the same-step comparison)."""
+    rows = []
+    for name in dict.fromkeys(r["name"] for r in runs):
+        rs = [r for r in runs if r["name"] == name]
+        first = rs[0]
+        same = min(r["curve"][-1][0] for r in rs)
+        row = {k: first[k] for k in ("name", "eta", "objective", "interrupt", "pin")}
+        row.update(seeds=sorted(r["seed"] for r in rs), same_step=same,
+                   reached=sum(r["time_to_target_s"] is not None for r in rs))
+        for f in ("wall_s", "reward_final", "time_to_target_s", "gen_tokens_per_s", "gen_groups_per_s",
+                  "trained_tokens_per_s", "staleness_mean"):
+            row[f] = t_interval([r.get(f) for r in rs])
+        row["acc_same_step"] = t_interval([reward_at(r["curve"], same) for r in rs])
+        for k in ("greedy", "sampled_t1"):
+            row[f"eval_{k}"] = t_interval([(r.get("final_eval") or {}).get(k) for r in rs])
+        rows.append(row)
+    return rows
+
+
+def _ci(s: dict, fmt: str = "{:.3f}") -> str:
+    if s["mean"] is None:
+        return "-"
+    half = f" ± {fmt.format(s['ci95'])}" if s["ci95"] is not None else " (1 seed)"
+    return fmt.format(s["mean"]) + half
+
+
+def table2(rows: list[dict], meta: dict) -> str:
+    """Markdown: per variant the final held-out accuracy, final reward, accuracy at the same step, wall clock,
+    time to target, throughput; mean ± 95% t-interval half-width over seeds."""
+    target = meta.get("target", "?")
+    sync = next((r for r in rows if r["name"] == "sync"), None)
+    head = ["variant", "eta", "objective", "interrupt", "pinned", "seeds", "held-out acc (greedy)",
+            "held-out acc (t=1)", f"train reward, last {TAIL} steps", "reward at same step (step)", "wall clock s",
+            "speed-up vs sync", f"time to reward {target} s (seeds reaching)", "trained tokens/s", "gen tokens/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        sp = "-"
+        if sync is not None and sync["wall_s"]["mean"] and r["wall_s"]["mean"]:
+            sp = f"{sync['wall_s']['mean'] / r['wall_s']['mean']:.2f}x"
+        lines.append("| " + " | ".join([
+            r["name"], str(r["eta"]), "decoupled" if r["objective"] == "dec" else "naive PPO", r["interrupt"],
+            "yes" if r["pin"] else "no", str(len(r["seeds"])), _ci(r["eval_greedy"]), _ci(r["eval_sampled_t1"]),
+            _ci(r["reward_final"]), f"{_ci(r['acc_same_step'])} ({r['same_step']})", _ci(r["wall_s"], "{:.0f}"), sp,
+            f"{_ci(r['time_to_target_s'], '{:.0f}')} ({r['reached']}/{len(r['seeds'])})",
+            _ci(r["trained_tokens_per_s"], "{:.0f}"), _ci(r["gen_tokens_per_s"], "{:.0f}")]) + " |")
+    return "\n".join(lines)
+
+
+# ---- figures ------------------------------------------------------------------------------------------
+def _mean_curve(rs: list[dict], col: int) -> tuple[list[float], list[float], list[float]]:
+    """x = step; mean reward over seeds and its 95% band, over the steps every seed has."""
+    n = min(len(r["curve"]) for r in rs)
+    xs, mean, half = [], [], []
+    for i in range(n):
+        s = t_interval([r["curve"][i][2] for r in rs])
+        xs.append(statistics.fmean(r["curve"][i][col] for r in rs))
+        mean.append(s["mean"])
+        half.append(s["ci95"] or 0.0)
+    return xs, mean, half
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(runs: list[dict], objective: str, out: Path, title: str) -> Path:
+    """Fig 5a (naive PPO) / 5b (decoupled): reward against step and against wall clock, sync and every eta,
+    pinned runs with interruption; mean over seeds with the 95% band."""
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    pick_ = [r for r in runs if r["pin"] and r["interrupt"] == "abort" and (r["eta"] == 0 or r["objective"] == objective)]
+    for eta in sorted({r["eta"] for r in pick_}):
+        rs = [r for r in pick_ if r["eta"] == eta]
+        label = f"sync (eta 0)" if eta == 0 else f"eta {eta}"
+        for ax, col in ((a, 0), (b, 1)):
+            xs, m, h = _mean_curve(rs, col)
+            line, = ax.plot(xs, m, lw=1.5, label=f"{label} ({len(rs)} seeds)")
+            ax.fill_between(xs, [x - y for x, y in zip(m, h)], [x + y for x, y in zip(m, h)],
+                            color=line.get_color(), alpha=0.15)
+    a.set(xlabel="training step", ylabel="exact-match reward (t=1)", title=f"{title}: reward per step")
+    b.set(xlabel="wall clock (s)", ylabel="exact-match reward (t=1)", title=f"{title}: reward per second")
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot_throughput(rows: list[dict], out: Path) -> Path:
+    """Fig 5c: effective training throughput (trained tokens / wall clock) against eta, pinned and unpinned,
+    decoupled objective with interruption; mean and 95% interval over seeds."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for pin in (True, False):
+        rs = sorted([r for r in rows if r["pin"] == pin and r["interrupt"] == "abort"
+                     and (r["eta"] == 0 or r["objective"] == "dec") and r["trained_tokens_per_s"]["mean"]],
+                    key=lambda r: r["eta"])
+        if not rs:
+            continue
+        xs = list(range(len(rs)))
+        ax.errorbar([r["eta"] for r in rs], [r["trained_tokens_per_s"]["mean"] for r in rs],
+                    yerr=[r["trained_tokens_per_s"]["ci95"] or 0.0 for r in rs], marker="o", capsize=3,
+                    label="servers and trainer pinned apart" if pin else "unpinned (shared cores)")
+        del xs
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set(xlabel="max staleness eta (0 = synchronous)", ylabel="trained tokens / s",
+           title="effective training throughput vs staleness")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def plot_interrupt(rows: list[dict], out: Path) -> Path:
+    """Fig 6b: generation throughput with interruptible generation (abort) and without (interrupt=none) at the
+    same eta, decoupled objective, pinned; mean and 95% interval over seeds."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    etas = sorted({r["eta"] for r in rows if r["interrupt"] == "none"})
+    width = 0.38
+    for k, mode in enumerate(("abort", "none")):
+        vals = [next((r for r in rows if r["eta"] == e and r["interrupt"] == mode and r["pin"]
+                      and r["objective"] == "dec"), None) for e in etas]
+        xs = [i + (k - 0.5) * width for i in range(len(etas))]
+        ax.bar(xs, [v["gen_tokens_per_s"]["mean"] or 0 if v else 0 for v in vals], width,
+               yerr=[(v["gen_tokens_per_s"]["ci95"] or 0) if v else 0 for v in vals], capsize=3,
+               label="interruptible (abort)" if mode == "abort" else "non-interruptible (interrupt=none)")
+    ax.set_xticks(range(len(etas)), [f"eta {e}" for e in etas])
+    ax.set(ylabel="generated tokens / s", title="generation throughput: interruptible vs not")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
+    """table2.md, the four PNGs, runs.json (every raw result plus meta) and meta.json under `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = aggregate(runs)
+    text = table2(rows, meta)
+    (out / "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}) + "\n")
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    sft = meta.get("sft_eval")
+    head = ("# Table 2 (addition task): mean ± 95% Student-t half-width over seeds\n\n"
+            + (f"SFT start: held-out exact match greedy {sft['greedy']:.3f}, sampled (t=1) {sft['sampled_t1']:.3f} "
+               f"over {sft['problems']} problems.\n\n" if sft else ""))
+    (out / "table2.md").write_text(f"{head}{text}\n\n{json.dumps({k: v for k, v in meta.items() if k != 'sft_eval'})}\n")
+    plot_curves(runs, "ppo", out / "fig5a.png", "naive PPO")
+    plot_curves(runs, "dec", out / "fig5b.png", "decoupled PPO")
+    plot_throughput(rows, out / "fig5c.png")
+    plot_interrupt(rows, out / "fig6b.png")
+    return text
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", "-c", default="configs/addition_rl_cpu.yaml")
+    ap.add_argument("--sft-config", default="configs/addition_sft_cpu.yaml")
+    ap.add_argument("--sft-dir", default="runs/addition_sft/run0", help="the SFT run (trained first if absent)")
+    ap.add_argument("--variants", default=None, help="comma-separated names or globs (default: all; --list)")
+    ap.add_argument("--list", action="store_true", help="print the variants and exit")
+    ap.add_argument("--seeds", default="1,2,3,4,5")
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--target", type=float, default=0.7, help="reward for time-to-target (3-step mean)")
+    ap.add_argument("--out", default="benchmarks/paper")
+    ap.add_argument("--runs-dir", default="runs/bench_paper_runs")
+    ap.add_argument("--from-results", default=None, help="an output directory or runs.json: redraw, run nothing")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for one run")
+    ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    if a.from_results:
+        runs, meta = load_results(Path(a.from_results))
+        if not runs:
+            raise SystemExit(f"bench_paper: no results in {a.from_results}")
+        print(write_outputs(runs, out, meta))
+        return 0
+    variants = pick(all_variants(), a.variants)
+    if a.list:
+        print("\n".join(f"{v['name']}: eta {v['eta']}, {v['objective']}, interrupt {v['interrupt']}, "
+                        f"pinned {v['pin']}" for v in variants))
+        return 0
+    seeds = [int(s) for s in a.seeds.split(",")]
+    sft_dir, sft_eval = ensure_sft(a)
+    meta = {"config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target, "overrides": a.overrides,
+            "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir), "sft_eval": sft_eval,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _, failed = sweep(variants, seeds, out, lambda v, s: run_one(v, s, a, sft_dir))
+    runs, _ = load_results(out)  # everything recorded so far, this sweep's and earlier ones
+    meta.update(load_after=os.getloadavg(), failed=failed)
+    print(write_outputs(runs, out, meta))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
