@@ -59,7 +59,8 @@ def model_tensor_names(names: list[str], models: Any) -> list[str]:
 
     layers = int(bridge_for(models).hf_config.num_hidden_layers)
     beyond = re.compile(r"^model\.layers\.(\d+)\.")
-    return [n for n in names if not ((m := beyond.match(n)) and int(m[1]) >= layers)]
+    # an FP8 block checkpoint's weight_scale_inv is part of its weight (loaded dequantized, exported in the dtype)
+    return [n for n in names if not ((m := beyond.match(n)) and int(m[1]) >= layers) and not n.endswith("_scale_inv")]
 
 
 def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
