@@ -152,7 +152,8 @@ def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float]
     fp8 = fit.fp8_block_size(c) is not None
     srv = fit.server_gib_per_gpu(p, inf.tp, dtype, fp8=fp8)
     if srv > fit.SERVER_WEIGHT_FRACTION * gpu_gib:
-        raise LaunchError(f"a server of {inf.tp} GPUs holds {srv:.1f} GiB of {'FP8 ' if fp8 else ''}weights per GPU, over "
+        kind = "FP8 " if fp8 else ""
+        raise LaunchError(f"a server of {inf.tp} GPUs holds {srv:.1f} GiB of {kind}weights per GPU, over "
                           f"{fit.SERVER_WEIGHT_FRACTION:.0%} of a {gpu_gib:g} GiB GPU: raise the inference part's t")
     tr = fit.trainer_gib_per_gpu(p, alloc.train, dtype)
     if tr > fit.TRAINER_STATE_FRACTION * gpu_gib:

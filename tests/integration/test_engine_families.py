@@ -53,7 +53,8 @@ def router_inputs(model, ids):
     for i, layer in enumerate(model.model.layers):
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None and hasattr(gate, "e_score_correction_bias"):
-            hooks.append(gate.register_forward_hook(lambda m, a, out, i=i: seen.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]))))
+            hooks.append(gate.register_forward_hook(
+                lambda m, a, out, i=i: seen.__setitem__(i, a[0].reshape(-1, a[0].shape[-1]))))
     try:
         with torch.no_grad():
             model(torch.tensor([ids]))
