@@ -59,11 +59,13 @@ def wait_all(procs: list, timeout: float) -> list[tuple]:
     for p in procs:
         if p.poll() is None:
             p.kill()
-    return [(p.returncode, *p.communicate()) for p in procs]
+    outs = [p.communicate() for p in procs]
+    return [(p.returncode, *o) for p, o in zip(procs, outs)]
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+            "PYTHONFAULTHANDLER": "1"}
 
 
 @pytest.mark.parametrize("kind", ["default", "weights"])
@@ -80,8 +82,7 @@ def test_gloo_groups_across_hosts_whose_names_do_not_resolve(tmp_path, kind):
             procs.append(hosts.popen(node, [sys.executable, str(ROOT / "tests/integration/multihost_gloo.py"), kind],
                                      env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         results = wait_all(procs, 180)
-        for code, out, err in results:
-            assert code == 0, err[-3000:]
+        assert [code for code, _, _ in results] == [0, 0], "\n----\n".join(out + err[-3000:] for _, out, err in results)
         outs = [json.loads(out.strip().splitlines()[-1]) for _, out, _ in results]
     expect = [3.0] if kind == "default" else [0.0, 1.0, 2.0, 3.0]
     assert [o["result"] for o in outs] == [expect, expect]
