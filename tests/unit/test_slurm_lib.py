@@ -21,7 +21,8 @@ def test_the_failing_rank_on_another_node_is_named(tmp_path):
     out = trainer_error(tmp_path, {
         "driver.log": "rank 0/2 on n1\n[W] ProcessGroupGloo.cpp:524 Warning: Unable to resolve hostname\n",
         "trainer_rank1.log": "rank 1/2 on n2\nTraceback ...\nRuntimeError: Gloo connectFullMesh failed\n"
-                             "mega-async train: rank 1: RuntimeError: Gloo connectFullMesh failed, remote=[127.0.0.1]\n"})
+                             "mega-async train: rank 1: RuntimeError: Gloo connectFullMesh failed, "
+                             "remote=[127.0.0.1]\n"})
     assert out == ("errors of the ranks: rank 1: RuntimeError: Gloo connectFullMesh failed, remote=[127.0.0.1] "
                    "(logs/trainer_rank1.log)")
 
@@ -31,8 +32,9 @@ def test_every_rank_that_said_why_in_rank_order(tmp_path):
         "driver.log": "mega-async train: rank 0: SyncError: could not build the weight-update groups\n",
         "trainer_rank10.log": "mega-async train: rank 10: ValueError: ten\n",
         "trainer_rank2.log": "mega-async train: rank 2: ValueError: two\n"})
-    assert out == ("errors of the ranks: rank 0: SyncError: could not build the weight-update groups (logs/driver.log); "
-                   "rank 2: ValueError: two (logs/trainer_rank2.log); rank 10: ValueError: ten (logs/trainer_rank10.log)")
+    assert out == ("errors of the ranks: rank 0: SyncError: could not build the weight-update groups "
+                   "(logs/driver.log); rank 2: ValueError: two (logs/trainer_rank2.log); "
+                   "rank 10: ValueError: ten (logs/trainer_rank10.log)")
 
 
 def test_no_rank_line_falls_back_to_the_driver_log(tmp_path):
