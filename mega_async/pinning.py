@@ -8,8 +8,10 @@ The allowed CPUs (default: this process's affinity) are split in two equal halve
 the trainer (this process, its trainer ranks, reward workers, the rollout executor) the second. The trainer is
 pinned before anything starts; a watcher thread pins every thread of each server process the run launches
 (`mega_async.inference.server` or `sglang`) as soon as it appears, then keeps re-pinning new threads. Thread
-counts already match the halves: the trainer runs cores / (2 x ranks) torch threads per rank and each server
-cores x 1/2 / servers (mega_async.loop, mega_async.inference.service), which is the size of each half.
+counts follow: the run sizes its pools from os.cpu_count() (the trainer runs cores / (2 x ranks) torch threads
+per rank, each server cores / 2 / servers: mega_async.loop, mega_async.inference.service), and in this process
+os.cpu_count() answers the number of CPUs split, so each pool is the size of its half. Trainer ranks that a
+multi-rank run starts as new processes see the machine's count instead: pin one-rank runs, or all CPUs.
 """
 from __future__ import annotations
 
@@ -130,6 +132,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"mega_async.pinning: {e}", file=sys.stderr)
         return 2
     os.sched_setaffinity(0, trainer)  # before torch starts its thread pools; children inherit it
+    os.cpu_count = lambda: len(cpus)  # type: ignore[assignment] # the pools the run sizes from it fit the halves
     print(f"mega_async.pinning: servers on CPUs {servers}, trainer on CPUs {trainer}", file=sys.stderr, flush=True)
     from mega_async.cli import main as cli
 

@@ -29,7 +29,10 @@ logger = logging.getLogger("mega_async.sft")
 
 @dataclass
 class SFTModel:
-    path: str = "models/tiny-addition"  # HF-format card; no weights yet: a deterministic random init (seed)
+    path: str = "models/tiny-addition"  # HF-format card (config, tokenizer; weights when init=pretrained)
+    # random: start from a deterministic random init of the card's config drawn with `seed` (written to
+    # <run_dir>/init) | pretrained: from the weights in model.path
+    init: str = "random"
 
 
 @dataclass
@@ -50,6 +53,9 @@ class SFTTrainer:
     lr_decay: str = "constant"  # constant | linear | cosine
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    # weight of the uniform distribution over the vocabulary in the target (torch's label_smoothing): the SFT
+    # model learns the answer but samples it at temperature 1 only about (1 - e)^answer tokens of the time
+    label_smoothing: float = 0.0
     max_tokens_per_mb: int = 4096
     eval_interval: int = 0  # steps between evaluations on dev problems (held out, not those of eval.jsonl)
     # stop at the first evaluation whose greedy held-out exact match reaches this (null: run all steps). The
@@ -112,6 +118,10 @@ def load_sft_config(path: Optional[str], overrides: Sequence[str] = ()) -> SFTCo
         raise ConfigError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr={t.min_lr} in [0, lr]")
     if not 0 <= t.warmup_steps < t.steps:
         raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.steps={t.steps})")
+    if not 0 <= t.label_smoothing < 1:
+        raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
+    if cfg.model.init not in ("random", "pretrained"):
+        raise ConfigError(f"model.init={cfg.model.init!r} is not one of random, pretrained")
     if t.lr_decay not in ("constant", "linear", "cosine"):
         raise ConfigError(f"trainer.lr_decay={t.lr_decay!r} is not one of constant, linear, cosine")
     if t.eval_interval < 0 or (t.threads is not None and t.threads < 1):
@@ -213,9 +223,12 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         raise ConfigError(f"{run_dir} already holds a finished SFT run (final_hf/); pick another trial_name or "
                           "remove it")
     torch.set_num_threads(t.threads or len(os.sched_getaffinity(0)))
-    if not has_weights(cfg.model.path):
-        logger.info("%s has no weights yet: writing a deterministic random init (seed %d)", cfg.model.path, cfg.seed)
-        init_random_weights(cfg.model.path, seed=cfg.seed)
+    start = cfg.model.path
+    if cfg.model.init == "random":
+        start = str(init_random_weights(cfg.model.path, run_dir / "init", seed=cfg.seed, force=True))
+        logger.info("sft starts from a random init of %s (seed %d): %s", cfg.model.path, cfg.seed, start)
+    elif not has_weights(cfg.model.path):
+        raise ConfigError(f"model.init=pretrained but {cfg.model.path} has no weights; use model.init=random")
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     ids, eos = char_ids(tok), tok.eos_token_id
     train = addition_items(t.steps * t.batch_size, k.digits, tok, seed=cfg.seed, split="train")
@@ -229,9 +242,10 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
                 run_dir / "rl_prompts.jsonl")
     torch.manual_seed(cfg.seed)
     init_distributed()
-    engine = MegatronTrainEngine(cfg.model.path, parse_allocation("megatron:d1"), EngineConfig(
+    engine = MegatronTrainEngine(start, parse_allocation("megatron:d1"), EngineConfig(
         lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, total_steps=t.steps,
-        lr_decay=t.lr_decay, grad_clip=t.grad_clip, max_tokens_per_mb=t.max_tokens_per_mb, loss="sft"))
+        lr_decay=t.lr_decay, grad_clip=t.grad_clip, max_tokens_per_mb=t.max_tokens_per_mb, loss="sft",
+        label_smoothing=t.label_smoothing))
     metrics = Metrics(run_dir, tensorboard=False)
     t0 = time.monotonic()
     try:

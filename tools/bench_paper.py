@@ -82,18 +82,33 @@ def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path) -> 
 
 # ---- one run ----------------------------------------------------------------------------------------
 def curve(history: Sequence[dict]) -> list[list[float]]:
-    """[step, elapsed_s, reward_mean, trained tokens so far] per step."""
+    """[step, elapsed_s, reward_mean, trained tokens so far, rewards summed, samples scored] per step (the last
+    two cumulative over every generated sample, filtered groups too; absent without the dynamic filter)."""
     out, tokens = [], 0.0
     for h in history:
         tokens += float(h.get("train/tokens", 0.0))
-        out.append([int(h["step"]), float(h["elapsed_s"]), float(h["reward_mean"]), tokens])
+        row = [int(h["step"]), float(h["elapsed_s"]), float(h["reward_mean"]), tokens]
+        if "filter/reward_count" in h:
+            row += [float(h["filter/reward_sum"]), float(h["filter/reward_count"])]
+        out.append(row)
     return out
 
 
+def window_reward(c: Sequence[Sequence[float]], i: int, window: int) -> float:
+    """Exact match over the samples generated in the `window` steps ending at row i: pooled when the curve has
+    the cumulative sums (a step that finished few groups weighs little), else the mean of the steps' rewards."""
+    lo = i - window
+    if len(c[i]) >= 6:
+        s0, n0 = (c[lo][4], c[lo][5]) if lo >= 0 else (0.0, 0.0)
+        if c[i][5] > n0:
+            return (c[i][4] - s0) / (c[i][5] - n0)
+    return statistics.fmean(r[2] for r in c[max(lo + 1, 0):i + 1])
+
+
 def time_to_target(c: Sequence[Sequence[float]], target: float, window: int = 3) -> Optional[float]:
-    """Elapsed seconds at the first step where the mean reward of the last `window` steps reaches `target`."""
+    """Elapsed seconds at the first step where the reward of the last `window` steps reaches `target`."""
     for i in range(window - 1, len(c)):
-        if statistics.fmean(r[2] for r in c[i - window + 1:i + 1]) >= target:
+        if window_reward(c, i, window) >= target:
             return c[i][1]
     return None
 
@@ -219,9 +234,9 @@ def t_interval(values: Sequence[Optional[float]]) -> dict[str, Any]:
 
 
 def reward_at(c: Sequence[Sequence[float]], step: int, window: int = TAIL) -> Optional[float]:
-    """Mean reward over the `window` steps ending at `step` (None when the run is shorter)."""
-    rows = [r for r in c if step - window < r[0] <= step]
-    return statistics.fmean(r[2] for r in rows) if rows and rows[-1][0] == step else None
+    """Reward over the `window` steps ending at `step` (window_reward; None when the run is shorter)."""
+    i = next((k for k, r in enumerate(c) if r[0] == step), None)
+    return window_reward(c, i, window) if i is not None else None
 
 
 def aggregate(runs: list[dict]) -> list[dict[str, Any]]:
@@ -276,11 +291,12 @@ def table2(rows: list[dict], meta: dict) -> str:
 
 # ---- figures ------------------------------------------------------------------------------------------
 def _mean_curve(rs: list[dict], col: int) -> tuple[list[float], list[float], list[float]]:
-    """x = step; mean reward over seeds and its 95% band, over the steps every seed has."""
+    """x = step (col 0) or wall clock (col 1); the reward of the last TAIL steps (window_reward), mean over seeds
+    and its 95% band, over the steps every seed has."""
     n = min(len(r["curve"]) for r in rs)
     xs, mean, half = [], [], []
     for i in range(n):
-        s = t_interval([r["curve"][i][2] for r in rs])
+        s = t_interval([window_reward(r["curve"], i, TAIL) for r in rs])
         xs.append(statistics.fmean(r["curve"][i][col] for r in rs))
         mean.append(s["mean"])
         half.append(s["ci95"] or 0.0)
@@ -395,7 +411,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--variants", default=None, help="comma-separated names or globs (default: all; --list)")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     ap.add_argument("--seeds", default="1,2,3,4,5")
-    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--target", type=float, default=0.7, help="reward for time-to-target (3-step mean)")
     ap.add_argument("--out", default="benchmarks/paper")
     ap.add_argument("--runs-dir", default="runs/bench_paper_runs")

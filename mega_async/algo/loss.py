@@ -211,16 +211,25 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: st
     raise ValueError(f"estimator={estimator!r}: use k1, k2 or k3")
 
 
-def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor,
-             denominator: Optional[float] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Supervised fine-tuning: cross-entropy of the target tokens, -sum(mask * logp) / denominator (default the
-    masked token count; 1.0 gives the token sum the engine's global token mean divides). Stats: the mean
-    negative log-likelihood and the fraction of target tokens the policy gives more than half its mass."""
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, denominator: Optional[float] = None,
+             label_smoothing: float = 0.0,
+             mean_logprobs: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Supervised fine-tuning: cross-entropy of the target tokens, sum(mask * token loss) / denominator (default
+    the masked token count; 1.0 gives the token sum the engine's global token mean divides). With
+    `label_smoothing` e the token loss is -(1 - e) logp - e mean_logprobs, where `mean_logprobs` is the mean
+    log-probability over the whole vocabulary (torch's cross_entropy(label_smoothing=e)). Stats: the mean
+    negative log-likelihood of the targets and the fraction of them the policy gives more than half its mass."""
+    if not 0.0 <= label_smoothing < 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1)")
+    if label_smoothing and mean_logprobs is None:
+        raise ValueError("label_smoothing needs mean_logprobs (the mean log-probability over the vocabulary)")
     mask = loss_mask.bool()
-    nll = torch.where(mask, -logprobs, torch.zeros_like(logprobs))
+    tok = -logprobs if not label_smoothing else -(1 - label_smoothing) * logprobs - label_smoothing * mean_logprobs
+    tok = torch.where(mask, tok, torch.zeros_like(tok))
     n = mask.sum()
     den = n.clamp(min=1).to(logprobs.dtype) if denominator is None else torch.as_tensor(denominator, dtype=logprobs.dtype)
     with torch.no_grad():
         nf = n.clamp(min=1).to(logprobs.dtype)
-        stats = {"nll": nll.sum().detach() / nf, "likely_frac": ((logprobs.detach() > math.log(0.5)) & mask).sum() / nf}
-    return nll.sum() / den, stats
+        nll = torch.where(mask, -logprobs.detach(), torch.zeros_like(logprobs)).sum() / nf
+        stats = {"nll": nll, "likely_frac": ((logprobs.detach() > math.log(0.5)) & mask).sum() / nf}
+    return tok.sum() / den, stats

@@ -54,6 +54,7 @@ class EngineConfig:
     # ppo: the RL objective above | sft: cross-entropy of the loss-mask tokens (no proximal/reference policy,
     # advantages, behaviour logprobs or versions are read; mega_async.sft)
     loss: str = "ppo"
+    label_smoothing: float = 0.0  # sft: weight of the uniform distribution over the vocabulary in the target
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
@@ -139,6 +140,9 @@ class MegatronTrainEngine:
             wd_incr_steps=max(cfg.total_steps, 1), wd_incr_style="constant")
         self.pp = mpu.get_pipeline_model_parallel_world_size()
         self.tp = mpu.get_tensor_model_parallel_world_size()
+        if cfg.label_smoothing and (self.tp > 1 or cfg.loss != "sft"):
+            raise ValueError(f"label_smoothing={cfg.label_smoothing} applies to loss=sft at tensor parallel size 1 "
+                             f"(got loss={cfg.loss}, tp={self.tp})")
         self.cp = mpu.get_context_parallel_world_size()
         self.version = 0
         self._stats: dict[str, torch.Tensor] = {}
@@ -456,7 +460,9 @@ class MegatronTrainEngine:
         dev = logits.device
         logp, ent = vocab_parallel_logprobs(logits, mb.labels.to(dev), 1.0, with_entropy=True)
         mask = mb.loss_mask.to(dev)
-        loss, _ = sft_loss(logp, mask, denominator=1.0)
+        eps = self.cfg.label_smoothing
+        mean_lp = torch.log_softmax(logits.float(), -1).mean(-1) if eps else None  # tp 1 (checked at start)
+        loss, _ = sft_loss(logp, mask, denominator=1.0, label_smoothing=eps, mean_logprobs=mean_lp)
         n = mask.sum()
         with torch.no_grad():
             for k, v in (("loss", loss), ("n_tokens", n), ("entropy", (ent * mask).sum())):

@@ -73,6 +73,20 @@ def test_sft_loss_is_cross_entropy_of_the_masked_tokens():
     assert st["likely_frac"].item() == 1.0
 
 
+def test_label_smoothing_is_torchs():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, generator=g)
+    labels = torch.randint(0, 7, (3,), generator=g)
+    all_lp = torch.log_softmax(logits, -1)
+    loss, st = sft_loss(all_lp.gather(-1, labels[:, None])[:, 0], torch.ones(3), label_smoothing=0.25,
+                        mean_logprobs=all_lp.mean(-1))
+    ref = torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.25)
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert st["nll"].item() == pytest.approx(torch.nn.functional.cross_entropy(logits, labels).item(), rel=1e-6)
+    with pytest.raises(ValueError, match="mean_logprobs"):
+        sft_loss(all_lp[:, 0], torch.ones(3), label_smoothing=0.1)
+
+
 def test_sft_batch_layout():
     b = sft_batch([([5, 6, 7, 0], [0, 0, 1, 1]), ([5, 6, 0], [0, 1, 1])])
     assert b["input_ids"].tolist() == [[5, 6, 7, 0], [5, 6, 0, 0]]

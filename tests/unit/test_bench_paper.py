@@ -58,6 +58,15 @@ def test_time_to_target_and_reward_at():
     assert bp.reward_at(c, 5, window=2) == pytest.approx(0.85) and bp.reward_at(c, 9) is None
 
 
+def test_window_reward_pools_the_samples_of_the_window():
+    # cumulative (sum, count): step 0 scored 10 samples (2 right), step 1 only 2 (both right), step 2 10 (8 right)
+    c = [[0, 1.0, 0.2, 0, 2, 10], [1, 2.0, 1.0, 0, 4, 12], [2, 3.0, 0.8, 0, 12, 22]]
+    assert bp.window_reward(c, 2, 2) == pytest.approx(10 / 12)  # not the mean of 1.0 and 0.8
+    assert bp.window_reward(c, 2, 5) == pytest.approx(12 / 22)
+    assert bp.time_to_target(c, 0.8, window=2) == 3.0 and bp.time_to_target(c, 0.5, window=1) == 2.0
+    assert bp.reward_at(c, 1, window=1) == 1.0
+
+
 def fake(name, seed, eta=4, objective="dec", interrupt="abort", pin=True, rewards=(0.3, 0.5, 0.7), wall=30.0,
          greedy=0.8, gen=500.0):
     c = curve(rewards, dt=wall / len(rewards))
