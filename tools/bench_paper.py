@@ -243,7 +243,8 @@ def aggregate(runs: list[dict]) -> list[dict[str, Any]]:
     """Per variant: each figure's mean and 95% interval over seeds; time to target counts the seeds that got
     there; accuracy at the step every run of the variant reached (the same-step comparison)."""
     rows = []
-    for name in dict.fromkeys(r["name"] for r in runs):
+    order = {v["name"]: i for i, v in enumerate(all_variants())}
+    for name in sorted(dict.fromkeys(r["name"] for r in runs), key=lambda n: (order.get(n, len(order)), n)):
         rs = [r for r in runs if r["name"] == name]
         first = rs[0]
         same = min(r["curve"][-1][0] for r in rs)
@@ -281,7 +282,8 @@ def table2(rows: list[dict], meta: dict) -> str:
         if sync is not None and sync["wall_s"]["mean"] and r["wall_s"]["mean"]:
             sp = f"{sync['wall_s']['mean'] / r['wall_s']['mean']:.2f}x"
         lines.append("| " + " | ".join([
-            r["name"], str(r["eta"]), "decoupled" if r["objective"] == "dec" else "naive PPO", r["interrupt"],
+            r["name"], str(r["eta"]), "(same at eta 0)" if r["eta"] == 0 else
+            ("decoupled" if r["objective"] == "dec" else "naive PPO"), r["interrupt"],
             "yes" if r["pin"] else "no", str(len(r["seeds"])), _ci(r["eval_greedy"]), _ci(r["eval_sampled_t1"]),
             _ci(r["reward_final"]), f"{_ci(r['acc_same_step'])} ({r['same_step']})", _ci(r["wall_s"], "{:.0f}"), sp,
             f"{_ci(r['time_to_target_s'], '{:.0f}')} ({r['reached']}/{len(r['seeds'])})",
@@ -437,8 +439,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir), "sft_eval": sft_eval,
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed = sweep(variants, seeds, out, lambda v, s: run_one(v, s, a, sft_dir))
-    runs, _ = load_results(out)  # everything recorded so far, this sweep's and earlier ones
-    meta.update(load_after=os.getloadavg(), failed=failed)
+    runs, before = load_results(out)  # everything recorded so far, this sweep's and earlier ones
+    meta.update(load_after=os.getloadavg(), failed=failed, variants=[v["name"] for v in variants],
+                finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    meta["sweeps"] = before.get("sweeps", []) + [{k: meta[k] for k in (
+        "started", "finished", "variants", "seeds", "steps", "overrides", "load_before", "load_after", "failed")}]
     print(write_outputs(runs, out, meta))
     return 1 if failed else 0
 

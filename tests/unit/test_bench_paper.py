@@ -143,7 +143,10 @@ def test_table_and_figures_from_recorded_results(tmp_path):
     text = (out / "table2.md").read_text()
     assert "SFT start: held-out exact match greedy 0.300" in text
     assert "| eta4-ppo | 4 | naive PPO | abort | yes | 3 | 0.500 ± 0.000 |" in text
-    assert "| sync | 0 | decoupled | abort | yes | 3 |" in text and "(3/3)" in text
+    assert "| sync | 0 | (same at eta 0) | abort | yes | 3 |" in text and "(3/3)" in text
+    names = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| ") and " | abort " in line
+             or " | none " in line]
+    assert names[:3] == ["sync", "eta1-dec", "eta1-ppo"] and names.index("eta4-dec") < names.index("sync-unpinned")
     for f in ("fig5a", "fig5b", "fig5c", "fig6b"):
         assert (out / f"{f}.png").read_bytes()[:4] == b"\x89PNG"
     saved = json.loads((out / "runs.json").read_text())
