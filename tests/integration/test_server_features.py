@@ -66,6 +66,11 @@ def test_sampling_controls(server):
     early = gen(addr, {"max_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop]})["output_ids"]
     late = gen(addr, {"max_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop], "min_new_tokens": 5})
     assert len(early) <= 2 and len(late["output_ids"]) >= 5 and stop not in late["output_ids"][:5]
+    # SGLang's Req._check_token_based_finish: ignore_eos ignores the request's stop_token_ids too
+    biased = {"max_new_tokens": 6, "temperature": 0, "logit_bias": {"77": 100.0}, "stop_token_ids": [77]}
+    assert gen(addr, biased)["output_ids"] == [77]
+    full = gen(addr, {**biased, "ignore_eos": True})
+    assert full["output_ids"] == [77] * 6 and full["meta_info"]["finish_reason"]["type"] == "length"
 
 
 def test_stream_is_sse_with_cumulative_chunks(server):

@@ -532,7 +532,7 @@ class GenerationEngine:
         """Finish r if it is done; its row's KV (`kv_of`) enters the radix cache before its answer goes out."""
         tok = r.output_ids[-1]
         reason = None
-        if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
+        if not r.ignore_eos and (tok in r.stop_token_ids or tok in self.eos_ids):  # SGLang: ignore_eos ignores both
             reason = {"type": "stop", "matched": tok}
         elif r.stop and self.tokenizer is not None:  # bounded work per token (detokenize.StopMatcher)
             if r.stop_matcher is None:

@@ -252,7 +252,7 @@ class OpenAIEndpoints:
     def _held_stop_token(self, r: Any, n: int) -> bool:
         """The newest token may be the stop token the finished text drops: a running stream waits for it."""
         t = r.output_ids[n - 1] if n else None
-        return t is not None and (t in r.stop_token_ids or (not r.ignore_eos and t in self.s.engine.eos_ids))
+        return t is not None and not r.ignore_eos and (t in r.stop_token_ids or t in self.s.engine.eos_ids)
 
     async def _stream_delta(self, send: Any, resp: web.StreamResponse, i: int, t: "Tracked", req: dict, chat: bool,
                             sent_tok: list, texts: list) -> bool:
