@@ -209,7 +209,9 @@ def sweep(variants: list[dict], seeds: Sequence[int], out: Path,
 
 
 def load_results(path: Path) -> tuple[list[dict], dict]:
-    """Raw results and meta from an output directory (raw/*.json, meta.json) or a runs.json."""
+    """Raw results and meta from an output directory (raw/*.json, meta.json) or a runs.json (none: nothing yet)."""
+    if not path.exists():
+        return [], {}
     if path.is_dir():
         runs = [json.loads(p.read_text()) for p in sorted((path / "raw").glob("*.json"))]
         meta_p = path / "meta.json"
@@ -440,6 +442,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed = sweep(variants, seeds, out, lambda v, s: run_one(v, s, a, sft_dir))
     runs, before = load_results(out)  # everything recorded so far, this sweep's and earlier ones
+    if not runs:
+        print(f"bench_paper: no run finished ({len(failed)} failed); nothing to draw", file=sys.stderr)
+        return 1
     meta.update(load_after=os.getloadavg(), failed=failed, variants=[v["name"] for v in variants],
                 finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     meta["sweeps"] = before.get("sweeps", []) + [{k: meta[k] for k in (

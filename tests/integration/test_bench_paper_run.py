@@ -29,7 +29,7 @@ def test_sweep_runner_on_a_two_step_config(tmp_path):
     out = tmp_path / "paper"
     argv = ["--variants", "eta2-dec,sync-unpinned", "--seeds", "1", "--steps", "2", "--sft-dir", str(sft),
             "--out", str(out), "--runs-dir", str(tmp_path / "runs"), "rollout.consumer_batch_size=2",
-            "rollout.group_size=2"]
+            "rollout.group_size=2", "trainer.ppo_n_minibatches=1"]
     assert bp.main(argv) == 0
     runs = {p.stem: json.loads(p.read_text()) for p in (out / "raw").glob("*.json")}
     assert set(runs) == {"eta2-dec_s1", "sync-unpinned_s1"}
