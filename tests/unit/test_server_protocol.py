@@ -169,6 +169,10 @@ def test_areal_and_slime_control_bodies_validate_as_sglang():
     assert out["shapes"] == [[2, 3]] and out["abort_all_requests"] is True and out["selector"] == "all"
     assert validate_request("/pause_generation", {})["mode"] == "abort"
     assert validate_request("/abort_request", {"rid": "r1", "abort_all": 0})["abort_all"] is False
+    assert validate_request("/begin_weight_update", {})["selector"] == "all"  # BeginWeightUpdateReqInput
+    assert validate_request("/end_weight_update", {"rid": "r7"})["rid"] == "r7"
+    out = validate_request("/weights_checker", {"allow_quant_error": "true", "skip_tensor_list": None})
+    assert out["action"] == "checksum" and out["allow_quant_error"] is True and out["selector"] == "all"
     for path, body, needle in [
         ("/init_weights_update_group", {**areal_init, "master_port": "port"},
          "master_port: Input should be a valid integer, unable to parse string as an integer (got 'port')"),
@@ -180,6 +184,8 @@ def test_areal_and_slime_control_bodies_validate_as_sglang():
          "shapes: [0]: [0]: Input should be a valid integer, got a number with a fractional part"),
         ("/update_weights_from_disk", {"model_path": "/w", "flush_cache": None}, "flush_cache: Input should be a "
          "valid boolean"),
+        ("/begin_weight_update", {"selector": "both"}, "selector: Input should be 'target', 'draft' or 'all'"),
+        ("/weights_checker", {"skip_tensor_list": "a"}, "skip_tensor_list"),
     ]:
         with pytest.raises(BadRequest) as e:
             validate_request(path, body)

@@ -496,7 +496,7 @@ class EmbeddedServer:
         body = await self.json_body(request) if request.can_read_body else None
         if body is not None and not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        action, skip, _selector = parse_check(body)
+        action, skip, _selector = parse_check(validate_request("/weights_checker", body) if body else body)
         ok, message, ranks = await asyncio.wrap_future(
             self.engine.run_command(lambda: self.checker.handle(action, skip)))
         return web.json_response(checker_reply(ok, message, ranks), status=200 if ok else 400)

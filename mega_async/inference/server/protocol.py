@@ -267,6 +267,10 @@ REQUEST_MODELS: dict[str, dict[str, tuple[Any, Any]]] = {
     "/resume_memory_occupation": {**_BASE, "tags": (optional(list_of(lax_str)), None)},
     "/post_process_weights": {**_BASE, "restore_weights_before_load": (lax_bool, False),
                               "post_process_quantization": (lax_bool, False)},
+    "/begin_weight_update": {**_BASE, "selector": (SELECTOR, "all")},
+    "/end_weight_update": dict(_BASE),
+    "/weights_checker": {**_BASE, "action": (lax_str, "checksum"), "allow_quant_error": (lax_bool, False),
+                         "skip_tensor_list": (optional(list_of(lax_str)), None), "selector": (SELECTOR, "all")},
     "/rollback_weights": dict(_BASE),  # this server's addition
 }
 
