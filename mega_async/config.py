@@ -50,6 +50,9 @@ class InferenceConfig:
     api_key: Optional[str] = None  # refused when set: see api_key_env
     max_retries: int = 3  # 5xx answers in a row before a server is dropped (even if its /health answers)
     unhealthy_timeout: float = 30.0  # seconds without any usable server before the run stops
+    # a server the run launched whose process ends is started again, at most this many times each (then given
+    # up on); it serves again once it has the current weights (0: never restarted)
+    max_server_restarts: int = 3
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
     # launch an installed SGLang outside the tested release range (mega_async.inference.sglang_releases)
     allow_untested_sglang: bool = False
@@ -285,6 +288,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"inference.api_key_env={inf.api_key_env!r} must be an environment variable name")
     _positive("inference.max_retries", inf.max_retries, allow_zero=True)
     _positive("inference.unhealthy_timeout", inf.unhealthy_timeout)
+    _positive("inference.max_server_restarts", inf.max_server_restarts, allow_zero=True)
     if r.max_consecutive_failures is not None:
         _positive("rollout.max_consecutive_failures", r.max_consecutive_failures)
     if inf.backend == "sglang" and not inf.addresses and not cfg.model.path:

@@ -4,7 +4,9 @@ agenerate: send /generate -> append tokens, logprobs, versions -> on abort with 
 wait while paused, resubmit prompt + tokens so far (AReaL's interruption loop).
 Servers are picked by fewest in-flight requests, sticky per request id. Connection errors are retried
 with backoff: the server is marked unhealthy, its requests rerouted, and it is re-admitted once /health
-answers again. A server that answers 5xx more than `max_retries` times in a row is dropped for good (its
+answers again and it serves the weights this client last synced (a restarted process has its launch weights,
+one that was down missed a sync: it stays out, `recover` brings it up to date, and the weight syncs include
+it). A server that answers 5xx more than `max_retries` times in a row is dropped for good (its
 /health may still answer). 401/403, a request over the context length, and no usable server within
 `unhealthy_timeout` raise `FatalEngineError`: retrying cannot fix them.
 """
@@ -89,6 +91,9 @@ class _Server:
     dropped: Optional[str] = None  # why it was dropped for good (kept answering 5xx)
     release: Optional[Release] = None  # its SGLang release's weight-sync protocol, learned once
     session_open: bool = False  # a weight-update session (SGLang 0.5.21+) we opened and have not closed
+    behind: bool = False  # answers /health but not at the synced weight version: kept out of generation
+    recovering: bool = False  # the run's recover hook is bringing it to the current weights
+    rejoin: bool = False  # came back (a new process, or missed a sync): the weight-update group must be rebuilt
 
 
 def merge_routed_experts(held: Any, encoded: Optional[str], total_rows: int, start: int) -> Any:
@@ -189,6 +194,13 @@ class SGLangClient:
         self._index = {id(s): i for i, s in enumerate(self.servers)}
         self._suspects: set[int] = set()  # indices of servers this client marked unhealthy (probed until back)
         self._in_flight = 0  # over every server
+        self._served: Optional[str] = None  # the weight_version this client's last weight sync set on the servers
+        self._group: Optional[list[_Server]] = None  # the servers of the current weight-update group
+        # async callable(address): brings one server that came back behind to the current weights (the run's
+        # weight sync sets it; None: a behind server waits for the next sync, which includes it)
+        self.recover: Any = None
+        self._tasks: set = set()
+        self.last_targets: list[str] = []  # the servers of the last update_weights_from_disk, in reply order
         self._rebuild_load()
 
     @staticmethod
@@ -306,11 +318,119 @@ class SGLangClient:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             return False
         if status == 200 and not s.healthy and s.dropped is None:
-            logger.info("server %s is healthy again; re-admitted", s.address)
-            s.healthy, s.failures = True, 0
-            self._suspects.discard(self._index.get(id(s), -1))
-            self._push(s)
-        return status == 200
+            await self._readmit(s)
+        return status == 200 and s.healthy
+
+    async def _readmit(self, s: _Server) -> None:
+        """A server answering /health again generates only with the weights the last sync set: a restarted
+        process has its launch weights and one that was down during a sync missed it. Behind, it is kept out
+        (it still gets every weight sync) and the `recover` hook, if set, brings it up to date; a later probe
+        admits it. Before this client's first sync every server has its launch weights: admitted at once."""
+        if self._served is not None:
+            try:
+                status, info = await self._request("GET", s, "/model_info", timeout=5.0)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return
+            have = info.get("weight_version") if status == 200 and isinstance(info, dict) else None
+            if str(have) != self._served:
+                self._set_behind(s, have)
+                return
+        if s.healthy or s.dropped is not None:  # another probe of it got here first
+            return
+        logger.info("server %s is healthy again%s; re-admitted", s.address,
+                    " at the current weight version" if s.behind else "")
+        s.healthy, s.failures, s.behind = True, 0, False
+        self._suspects.discard(self._index.get(id(s), -1))
+        self._push(s)
+
+    def _set_behind(self, s: _Server, have: Any) -> None:
+        """s serves another weight version than the last sync set: out of generation until it has the current
+        ones (the recover hook, or the next sync, which builds the weight-update group again with it)."""
+        if not s.behind:
+            logger.warning("server %s is at weight version %s, the run's is %s: kept out until it has the current "
+                           "weights", s.address, have, self._served)
+            self.events.emit("server_behind", server=s.address, version=str(have))
+            s.rejoin = True
+        s.behind, s.healthy = True, False
+        if s.dropped is None:
+            self._suspects.add(self._index.get(id(s), -1))
+        self._start_recovery(s)
+
+    async def find_behind(self, timeout: float = 10.0) -> list[str]:
+        """Ask every serving server for its weight version (GET /model_info): one that restarted between two
+        of our requests has its launch version and no weight-update group. Marks those (and any that does not
+        answer) out of generation; returns their addresses."""
+        if self._served is None:
+            return []
+        found: list[str] = []
+
+        async def one(s: _Server) -> None:
+            try:
+                status, info = await self._request("GET", s, "/model_info", timeout=timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._mark_unhealthy(s, f"/model_info: {type(e).__name__}: {e}")
+                found.append(s.address)
+                return
+            have = info.get("weight_version") if status == 200 and isinstance(info, dict) else None
+            if str(have) != self._served:
+                self._set_behind(s, have)
+                found.append(s.address)
+
+        await asyncio.gather(*(one(s) for s in self.servers if s.dropped is None and s.healthy))
+        return found
+
+    def _stale_answer(self, meta: dict, sent_at: int) -> Optional[str]:
+        """The weight version of an answer that no up-to-date server could have given: every token generated
+        after a request was sent at version v comes from v or later (the version moves only after every server
+        committed it). A server that did is behind (restarted between two requests, at its launch weights)."""
+        if self._served is None:
+            return None
+        spans = meta.get("weight_versions")
+        said = [sp.get("version") for sp in spans if isinstance(sp, dict)] if isinstance(spans, list) and spans \
+            else [meta.get("weight_version")]
+        for v in said:
+            try:
+                if int(v) >= sent_at:
+                    continue
+            except (TypeError, ValueError):
+                pass
+            return str(v)
+        return None
+
+    def _start_recovery(self, s: _Server) -> None:
+        if self.recover is None or s.recovering:
+            return
+        s.recovering = True
+
+        async def run() -> None:
+            try:
+                await self.recover(s.address)
+            except Exception as e:  # noqa: BLE001 - tried again when the server is probed next
+                logger.warning("bringing server %s to the current weights failed: %s: %s", s.address,
+                               type(e).__name__, e)
+            finally:
+                s.recovering = False
+                s.last_probe = 0.0  # probed again on the next request
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def probe_down(self) -> None:
+        """Probe every server that is out of generation (not dropped) once: one that answers again is admitted,
+        or found behind (then the coming weight sync includes it)."""
+        await asyncio.gather(*(self._probe(s) for s in self.servers if not s.healthy and s.dropped is None))
+
+    def sync_targets(self) -> list[_Server]:
+        """The servers a weight sync sends to: not dropped, and either serving or back but behind (a server
+        that is down or hung is left out; when it answers again it is behind and joins the next sync)."""
+        return [s for s in self.servers if s.dropped is None and (s.healthy or s.behind)]
+
+    def drop(self, address: str, why: str) -> None:
+        """Give up on a server for good (e.g. the run restarted it too often)."""
+        for s in self.servers:
+            if s.address == self._norm(address):
+                self._drop(s, why)
 
     def _drop(self, s: _Server, why: str) -> None:
         if s.dropped is None:  # the first reason is kept (requests in flight may fail it once more)
@@ -364,7 +484,7 @@ class SGLangClient:
                 raise self._no_server_error(self.unhealthy_timeout)
             await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
 
-    async def _generate_once(self, rid: str, payload: dict) -> dict:
+    async def _generate_once(self, rid: str, payload: dict) -> tuple[dict, _Server]:
         """POST /generate with retries; reroutes to another server when one dies. A retry gets its own request
         id: the server may still hold the first attempt under the old one."""
         attempt = 0
@@ -399,7 +519,7 @@ class SGLangClient:
             if status != 200:
                 raise classify_status(s.address, "/generate", status, body)
             s.failures = 0
-            return body
+            return body, s
 
     # ---- generation ------------------------------------------------------------------------
     async def _wait_unpaused(self) -> None:
@@ -440,8 +560,13 @@ class SGLangClient:
                 held = 0 if resp.routed_experts is None else int(resp.routed_experts.shape[0])
                 if req.return_routed_experts:  # rows already held keep the routes of the weights that made them
                     payload.update(return_routed_experts=True, routed_experts_start_len=held)
-                out = await self._generate_once(req.rid, payload)
+                sent_at = self._version.value
+                out, server = await self._generate_once(req.rid, payload)
                 meta = out["meta_info"]
+                if (stale := self._stale_answer(meta, sent_at)) is not None:  # its tokens are dropped, sent again
+                    self._set_behind(server, stale)
+                    self._sticky.pop(req.rid, None)
+                    continue
                 version = self._parse_version(meta.get("weight_version"))
                 lps = meta.get("output_token_logprobs") or []
                 toks = list(out.get("output_ids") or [])
@@ -517,8 +642,9 @@ class SGLangClient:
 
     # ---- control, to all servers concurrently -----------------------------------------------
     async def _post_all(self, path: str, body: dict, *, check: bool = True, only_healthy: bool = False,
-                        bodies: Optional[list[dict]] = None, timeout: Optional[float] = None) -> list[Any]:
-        targets = [s for s in self.servers if s.healthy or not only_healthy]
+                        bodies: Optional[list[dict]] = None, timeout: Optional[float] = None,
+                        servers: Optional[list[_Server]] = None) -> list[Any]:
+        targets = servers if servers is not None else [s for s in self.servers if s.healthy or not only_healthy]
 
         async def one(i: int, s: _Server) -> Any:
             try:
@@ -556,24 +682,50 @@ class SGLangClient:
         """Never raises for a dead server: the others must not be left paused."""
         await self._post_all("/continue_generation", {}, check=False)
 
+    def _named(self, addresses: Sequence[str]) -> list[_Server]:
+        by = {s.address: s for s in self.servers}
+        try:
+            return [by[self._norm(a)] for a in addresses]
+        except KeyError as e:
+            raise ValueError(f"{e.args[0]} is not one of this client's servers") from None
+
     async def update_weights_from_disk(self, path: str, version: int | str, check: bool = True,
-                                       flush_cache: bool = True) -> list[Any]:
-        """Every server loads the HF directory `path`. `check=False`: never raises; failed servers' replies are
-        returned as they came (None for an unreachable one). `flush_cache=False` with in-place pauses: SGLang
-        0.5.21+ fails an update whose flush finds requests still running."""
-        return await self._post_all("/update_weights_from_disk", {"model_path": str(path), "weight_version":
-                                                                  str(version), "flush_cache": flush_cache},
-                                    check=check)
+                                       flush_cache: bool = True, address: Optional[str] = None) -> list[Any]:
+        """The sync's servers (`sync_targets`), or the one at `address`, load the HF directory `path`.
+        `check=False`: never raises; failed servers' replies are returned as they came (None for an unreachable
+        one), in the order of `last_targets`. `flush_cache=False` with in-place pauses: SGLang 0.5.21+ fails an
+        update whose flush finds requests still running."""
+        targets = self._named([address]) if address else self.sync_targets()
+        self.last_targets = [s.address for s in targets]
+        out = await self._post_all("/update_weights_from_disk", {"model_path": str(path), "weight_version":
+                                                                 str(version), "flush_cache": flush_cache},
+                                   check=check, servers=targets)
+        if check and address is None:
+            self._served = str(version)
+        return out
 
     async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
                                         backend: str = "gloo", gpus_per_server: int = 1,
-                                        timeout: Optional[float] = None) -> int:
-        """Every server joins rank_offset = 1 + GPUs before it; returns world size (trainer is rank 0)."""
-        world = 1 + gpus_per_server * len(self.servers)
+                                        timeout: Optional[float] = None,
+                                        addresses: Optional[Sequence[str]] = None) -> int:
+        """The group's servers (`addresses`, default `sync_targets`) join at rank_offset = 1 + GPUs before each;
+        returns the world size (trainer is rank 0). Later distributed updates go to exactly these servers."""
+        members = self._named(addresses) if addresses is not None else self.sync_targets()
+        if not members:
+            raise self._no_server_error(None)
+        self._group = members
+        for s in members:
+            s.rejoin = False
+        world = 1 + gpus_per_server * len(members)
         bodies = [{"master_address": master_address, "master_port": master_port, "rank_offset": 1 + i * gpus_per_server,
-                   "world_size": world, "group_name": group_name, "backend": backend} for i in range(len(self.servers))]
-        await self._post_all("/init_weights_update_group", {}, bodies=bodies, timeout=timeout)
+                   "world_size": world, "group_name": group_name, "backend": backend} for i in range(len(members))]
+        await self._post_all("/init_weights_update_group", {}, bodies=bodies, timeout=timeout, servers=members)
         return world
+
+    @property
+    def group_members(self) -> list[str]:
+        """The servers of the current weight-update group (none built: [])."""
+        return [s.address for s in self._group or []]
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, version: int | str | None = None,
@@ -587,7 +739,10 @@ class SGLangClient:
             body["weight_version"] = str(version)
         if load_format is not None:
             body["load_format"] = load_format
-        await self._post_all("/update_weights_from_distributed", body, timeout=timeout)
+        await self._post_all("/update_weights_from_distributed", body, timeout=timeout,
+                             servers=self._group if self._group is not None else self.sync_targets())
+        if version is not None:  # the commit: every member now serves this version
+            self._served = str(version)
 
     # ---- weight-update sessions (SGLang 0.5.21+) ------------------------------------------------
     async def learn_releases(self, timeout: Optional[float] = None) -> list[Release]:
@@ -649,7 +804,7 @@ class SGLangClient:
                     continue
                 raise ServerError(f"{s.address}/begin_weight_update answered {status}: {msg}")
 
-        await asyncio.gather(*(one(s) for s in self.servers))
+        await asyncio.gather(*(one(s) for s in (self._group if self._group is not None else self.sync_targets())))
 
     async def end_weight_update(self, check: bool = True, timeout: Optional[float] = None) -> None:
         """Close the sessions this client opened (POST /end_weight_update: SGLang finalizes the load here).
@@ -659,8 +814,9 @@ class SGLangClient:
                 return None
             try:
                 status, out = await self._control(s, "/end_weight_update", {}, timeout)
-            except ServerError as e:
-                return str(e)  # unreachable: its session state is unknown, tried again on the next close
+            except ServerError as e:  # unreachable (now marked so): its session is unknown, tried again on the
+                logger.warning("closing a weight-update session: %s", e)  # next close; a sync does not fail
+                return None  # on it (a server that died has nothing to finalize; back, it joins a new group)
             s.session_open = False  # any answer: SGLang's end clears the session (or there was none)
             if status != 200 or (isinstance(out, dict) and out.get("success") is False):
                 return f"{s.address}/end_weight_update answered {status}: {_error_message(out)}"
@@ -680,9 +836,12 @@ class SGLangClient:
             self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
             raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
 
-    async def weights_checksums(self, timeout: Optional[float] = None) -> list[dict]:
-        """Every server's `/weights_checker {"action": "checksum"}` reply (SGLang 0.5.18+; raises ServerError)."""
-        return await self._post_all("/weights_checker", {"action": "checksum"}, timeout=timeout)
+    async def weights_checksums(self, timeout: Optional[float] = None,
+                                addresses: Optional[Sequence[str]] = None) -> list[dict]:
+        """Each server's (`addresses`, default all) `/weights_checker {"action": "checksum"}` reply (SGLang
+        0.5.18+; raises ServerError)."""
+        targets = self._named(addresses) if addresses is not None else None
+        return await self._post_all("/weights_checker", {"action": "checksum"}, timeout=timeout, servers=targets)
 
     @property
     def sessions_open(self) -> list[str]:
@@ -703,7 +862,10 @@ class SGLangClient:
         return out
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
-        await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False)
+        """The group's members drop it (never raises: a dead member has lost it anyway)."""
+        members, self._group = self._group, None
+        await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False,
+                             servers=members)
 
     async def server_info(self, timeout: Optional[float] = None) -> list[dict]:
         """Every server's GET /server_info (raises ServerError)."""
@@ -715,14 +877,15 @@ class SGLangClient:
 
         return list(await asyncio.gather(*(one(s) for s in self.servers)))
 
-    async def model_info(self) -> list[dict]:
+    async def model_info(self, addresses: Optional[Sequence[str]] = None) -> list[dict]:
         async def one(s: _Server) -> dict:
             status, out = await self._request("GET", s, "/model_info")
             if status != 200:
                 raise ServerError(f"{s.address}/model_info answered {status}")
             return out
 
-        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+        targets = self._named(addresses) if addresses is not None else self.servers
+        return list(await asyncio.gather(*(one(s) for s in targets)))
 
     async def update_weights(self, load: Any, version: int) -> None:
         """The weight step: client pause -> /pause_generation -> load() -> version -> continue -> resume.

@@ -143,24 +143,37 @@ class ServerLauncher:
         try:
             for i in range(self.spec.num_servers):
                 port = free_port(self.spec.host)
-                log = self.log_dir / f"server{i}.log"
-                cmd = server_command(self.spec, port, i)
-                logger.info("starting server %d: %s", i, " ".join(cmd))
-                env = server_env(self.spec)
-                if "--num-threads" in cmd:
-                    env["OMP_NUM_THREADS"] = cmd[cmd.index("--num-threads") + 1]
-                with log.open("wb") as f:
-                    p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=env, preexec_fn=_die_with_parent)
-                self.procs.append(p)
-                self._logs.append(log)
+                self._logs.append(self.log_dir / f"server{i}.log")
                 self.addresses.append(f"{self.spec.host}:{port}")
+                self.procs.append(self._spawn(i, "wb"))
             for i in range(len(self.procs)):
                 self._wait_healthy(i)
         except BaseException:
             self.stop()
             raise
         return list(self.addresses)
+
+    def _spawn(self, i: int, mode: str) -> subprocess.Popen:
+        port = int(self.addresses[i].rsplit(":", 1)[1])
+        cmd = server_command(self.spec, port, i)
+        logger.info("starting server %d: %s", i, " ".join(cmd))
+        env = server_env(self.spec)
+        if "--num-threads" in cmd:
+            env["OMP_NUM_THREADS"] = cmd[cmd.index("--num-threads") + 1]
+        with self._logs[i].open(mode) as f:
+            return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, preexec_fn=_die_with_parent)
+
+    def exited(self) -> list[tuple[int, int]]:
+        """(index, exit code) of every server process that has ended."""
+        return [(i, rc) for i, p in enumerate(self.procs) if (rc := p.poll()) is not None]
+
+    def restart(self, i: int) -> None:
+        """Start server i again at its address (same port, its log appended); does not wait for /health: the
+        client re-admits it once it answers with the current weights."""
+        if self.procs[i].poll() is None:
+            raise RuntimeError(f"server {i} is still running")
+        self.procs[i] = self._spawn(i, "ab")
 
     def _wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout

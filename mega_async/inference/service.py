@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any, Optional
 
 from mega_async.allocation import parse_allocation
@@ -138,7 +139,56 @@ class InferenceService:
         self.engine = SGLangClient(addresses, api_key=api_key(cfg), request_timeout=inf.request_timeout,
                                    max_retries=inf.max_retries, unhealthy_timeout=inf.unhealthy_timeout,
                                    version=version, events=events)
+        self._supervisor: Optional[ServerSupervisor] = None
+        if self.launcher is not None:
+            self._supervisor = ServerSupervisor(self.launcher, self.engine, inf.max_server_restarts, events=events)
 
     def close(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.stop()
         if self.launcher is not None:
             self.launcher.stop()
+
+
+class ServerSupervisor:
+    """Restarts a server the run launched when its process ends, at its address, at most `max_restarts` times
+    each; the client keeps it out until it serves the current weights (the weight sync brings them). Past the
+    limit the server is given up on (dropped from the client) with one line saying so."""
+
+    def __init__(self, launcher: Any, client: Any, max_restarts: int, interval: float = 0.5, events: Any = None):
+        self.launcher, self.client, self.max_restarts, self.interval = launcher, client, max_restarts, interval
+        self.events = events
+        self.restarts = [0] * len(launcher.procs)
+        self.given_up: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for i, rc in self.launcher.exited():
+                if i not in self.given_up and not self._stop.is_set():
+                    self.check(i, rc)
+
+    def check(self, i: int, rc: int) -> None:
+        address = self.launcher.addresses[i]
+        if self.restarts[i] >= self.max_restarts:
+            self.given_up.add(i)
+            why = (f"its process exited {self.restarts[i] + 1} times (last code {rc}); given up after "
+                   f"inference.max_server_restarts={self.max_restarts} restarts (log: {self.launcher._logs[i]})")
+            logger.error("server %d (%s): %s", i, address, why)
+            self.client.drop(address, why)
+            return
+        self.restarts[i] += 1
+        logger.warning("server %d (%s) exited with code %s; restarting it (%d of %d)", i, address, rc,
+                       self.restarts[i], self.max_restarts)
+        if self.events is not None:
+            self.events.emit("server_restarted", server=address, code=rc, restarts=self.restarts[i])
+        try:
+            self.launcher.restart(i)
+        except Exception as e:  # noqa: BLE001 - counted: the next look finds it ended again
+            logger.error("server %d (%s) could not be started again: %s: %s", i, address, type(e).__name__, e)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -130,6 +130,7 @@ class WeightSync:
         self.interrupt = interrupt
         self.flush_cache = interrupt != "in_place"  # SGLang 0.5.21+ fails an update whose flush finds requests
         self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last verify
+        self._targets: list[str] = []  # rank 0: the servers of the current (or last) push
         self.temperature = temperature
         self._loop = _Loop()
         self.last: dict[str, float] = {}
@@ -175,9 +176,53 @@ class WeightSync:
                 r.executor.wake()
 
     def push(self) -> dict[str, float]:
-        """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError."""
+        """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError.
+
+        The servers are the client's `sync_targets`: a server that is down is left out (it is brought up to date
+        when it answers again). A sync that fails because one of its servers went down meanwhile is done once
+        more without it; any other failure is raised."""
+        try:
+            return self._push_once()
+        except SyncError as e:
+            lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
+            if not lost:
+                raise
+            if self.rollout is not None:
+                logger.warning("weight sync failed while server(s) %s went down (%s); syncing again without them",
+                               ", ".join(lost), str(e)[:300])
+            return self._push_once()
+
+    def _targets_now(self, probe: bool = False) -> list[str]:
+        client = self.rollout.client
+        if not hasattr(client, "sync_targets"):
+            return []
+        if probe:  # a server that came back since it was last tried joins this sync
+            try:
+                self._loop.run(client.probe_down(), self.timeout + 10)
+            except Exception as e:  # noqa: BLE001 - it stays out of this sync
+                logger.warning("probing the servers that were down failed: %s: %s", type(e).__name__, e)
+        return [s.address for s in client.sync_targets()]
+
+    def _lost_servers(self) -> list[str]:
+        """Rank 0: servers of the last push that are down now or lost their state (a restarted process)."""
+        client = self.rollout.client
+        if hasattr(client, "find_behind"):
+            try:
+                self._loop.run(client.find_behind(), self.timeout + 10)
+            except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
+                logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
+        now = {s.address for s in client.sync_targets() if not s.rejoin} if hasattr(client, "sync_targets") else set()
+        return [a for a in self._targets if a not in now]
+
+    def _membership(self) -> None:
+        """Before a push (every rank): the distributed sync rebuilds its group when the servers changed."""
+
+    def _push_once(self) -> dict[str, float]:
         t0 = time.perf_counter()
         target = self.version.value + 1
+        if self.rollout is not None:
+            self._targets = self._targets_now(probe=True)
+        self._membership()
         with self.events.span("sync", phase="prepare", version=target):
             errors = _agree(self._guarded(self._prepare, target), self.group)  # before the pause (disk: export)
         rolled = None
@@ -251,6 +296,13 @@ class WeightSync:
             return 0.0
         return self._verify_probe(prompt_len, new_tokens)
 
+    def _verified(self) -> Optional[list[str]]:
+        """Rank 0: the servers a verify checks: those of this push that are still up (None: every server)."""
+        if not hasattr(self.rollout.client, "sync_targets") or not self._targets:
+            return None
+        now = set(self._targets_now())
+        return [a for a in self._targets if a in now]
+
     def _auto_method(self) -> str:
         if getattr(self, "fp8_block", None) is not None:
             return "checksum"  # FP8 servers' logprobs differ from the trainer's by the quantization itself
@@ -266,13 +318,14 @@ class WeightSync:
     def _verify_checksums(self) -> Optional[str]:
         """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
         client = self.rollout.client
+        addresses = self._verified()
         try:
-            replies = self._loop.run(client.weights_checksums(self.timeout), self.timeout + 10)
-            infos = self._loop.run(client.model_info(), self.timeout + 10)
+            replies = self._loop.run(client.weights_checksums(self.timeout, addresses), self.timeout + 10)
+            infos = self._loop.run(client.model_info(addresses), self.timeout + 10)
         except Exception as e:  # noqa: BLE001
             return f"/weights_checker failed: {type(e).__name__}: {e}"
         layouts: dict[str, list[tuple[str, str]]] = {}
-        for address, reply, info in zip(client.addresses, replies, infos):
+        for address, reply, info in zip(addresses or client.addresses, replies, infos):
             if str(info.get("weight_version")) != str(self.version.value):
                 return (f"server {address} reports weight_version {info.get('weight_version')!r}, "
                         f"expected {self.version.value}")
@@ -299,8 +352,11 @@ class WeightSync:
                        "sampling_params": {"max_new_tokens": new_tokens, "temperature": self.temperature,
                                            "ignore_eos": True}}
 
+            chosen = set(self._verified() or client.addresses)
+            index = [i for i, a in enumerate(client.addresses) if a in chosen]
+
             async def all_servers() -> list:
-                return list(await asyncio.gather(*(client.generate_on(i, payload) for i in range(len(client.servers)))))
+                return list(await asyncio.gather(*(client.generate_on(i, payload) for i in index)))
 
             try:
                 outs = self._loop.run(all_servers(), self.timeout)
@@ -462,6 +518,17 @@ class DiskWeightSync(WeightSync):
         self.src_dir = src_dir
         self.keep = max(1, keep)
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.rollout is not None and hasattr(self.rollout.client, "recover"):
+            self.rollout.client.recover = self._recover  # a server back behind loads the current version
+
+    async def _recover(self, address: str) -> None:
+        """One server that came back (restarted, or down during a sync) loads the current version's directory."""
+        v = self.version.value
+        path = self.path(v)
+        if not path.is_dir():
+            raise FileNotFoundError(f"{path}: the current version's weights are not on disk (pruned by a newer sync?)")
+        await self.rollout.client.update_weights_from_disk(str(path), v, address=address, flush_cache=True)
+        logger.info("server %s loaded version %d from %s", address, v, path)
 
     def path(self, version: int) -> Path:
         return self.root / f"v{version}"
@@ -507,7 +574,8 @@ class DiskWeightSync(WeightSync):
                                      2 * self.timeout + 10)
         except Exception as e:  # noqa: BLE001
             replies = [f"{type(e).__name__}: {e}"] * len(client.servers)
-        bad = [a for a, r in zip(client.addresses, replies) if not (isinstance(r, dict) and r.get("success"))]
+        bad = [a for a, r in zip(getattr(client, "last_targets", None) or client.addresses, replies)
+               if not (isinstance(r, dict) and r.get("success"))]
         if bad:
             logger.warning("servers %s could not reload version %d from %s", bad, v, path)
             return f"servers {', '.join(bad)} could not reload version {v} from {path} (a server whose own load failed " \
@@ -597,7 +665,8 @@ class DistributedWeightSync(WeightSync):
                     logger.info("servers' SGLang releases: %s", ", ".join(
                         f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}"
                         for a, r in zip(self.client.addresses, releases)))
-                self._init_group(master_address or _reachable_address(addresses))
+                self._master_address = master_address or _reachable_address(addresses)
+                self._init_group(self._master_address)
             except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
                 self._init_error = f"{type(e).__name__}: {e}"
         # pipeline stages stream one after another: concurrent groups through the same servers could
@@ -613,17 +682,48 @@ class DistributedWeightSync(WeightSync):
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
 
-    def _init_group(self, address: str) -> None:
+    def _membership(self) -> None:
+        """Every rank, before a push: rank 0 decides whether the weight-update groups must be built again (a
+        member is down, a server came back with a new process or behind, or a failed sync dropped the group),
+        and every stage head rebuilds its group over the servers to sync now."""
+        want = None
+        if self.rollout is not None:
+            targets = self.client.sync_targets()
+            addrs = [s.address for s in targets]
+            if self.pg is None or addrs != self.client.group_members or any(s.rejoin for s in targets):
+                want = addrs
+        want = from_rank0(want, self.group)
+        if want is None:
+            return
+        if not want:
+            raise SyncError("no inference server is up to take the weights; check the servers' logs")
+        if self.rollout is not None:
+            logger.warning("weight-update groups built again over %d server(s) (members: %s)", len(want),
+                           ", ".join(want))
+        self._init_error = None
+        if self.resharder.is_stage_head:
+            try:
+                self._destroy_group()
+                self._init_group(self._master_address, want)
+            except Exception as e:  # noqa: BLE001 - agreed below
+                self._init_error = f"{type(e).__name__}: {e}"
+        errors = _agree(self._init_error, self.group)
+        if errors:
+            raise SyncError("could not build the weight-update groups again: " + "; ".join(errors))
+
+    def _init_group(self, address: str, addresses: Optional[list[str]] = None) -> None:
         from mega_async.comm import free_port, init_custom_process_group
 
         port = free_port()
         self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
+        if addresses is None:
+            addresses = [s.address for s in self.client.sync_targets()]
         if self.data_plane == "none":
-            return self._init_control_plane_only(address, port)
+            return self._init_control_plane_only(address, port, addresses)
         fut = self._loop.submit(self.client.init_weights_update_group(
             address, port, self.group_name, backend=self.backend, gpus_per_server=self.gpus_per_server,
-            timeout=self.timeout))
-        world = 1 + self.gpus_per_server * len(self.client.servers)
+            timeout=self.timeout, addresses=addresses))
+        world = 1 + self.gpus_per_server * len(addresses)
         try:
             self.pg = init_custom_process_group(self.backend, f"tcp://{address}:{port}", world, 0, self.group_name,
                                                 timeout=datetime.timedelta(seconds=self.timeout))
@@ -634,17 +734,21 @@ class DistributedWeightSync(WeightSync):
             self._init_error = f"{self.group_name}: {type(e).__name__}: {e}"
             fut.cancel()
 
-    def _init_control_plane_only(self, address: str, port: int) -> None:
+    def _init_control_plane_only(self, address: str, port: int, addresses: Optional[list[str]] = None) -> None:
         """data_plane="none": the servers are told of a group nobody joins and no tensor moves. Only simulated fleet
         servers that say so in /server_info take part (a real server would wait for a broadcast)."""
-        infos = self._loop.run(self.client.server_info(self.timeout), self.timeout + 10)
-        real = [a for a, i in zip(self.client.addresses, infos) if (i.get("fleet") or {}).get("data_plane") != "none"]
-        if real:
-            raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} has "
-                             "one: use the default data_plane='broadcast'")
+        if not getattr(self, "_fleet_checked", False):  # once: the servers are the same processes' kind after
+            infos = self._loop.run(self.client.server_info(self.timeout), self.timeout + 10)
+            real = [a for a, i in zip(self.client.addresses, infos)
+                    if (i.get("fleet") or {}).get("data_plane") != "none"]
+            if real:
+                raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} "
+                                 "has one: use the default data_plane='broadcast'")
+            self._fleet_checked = True
         self._loop.run(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
                                                              gpus_per_server=self.gpus_per_server,
-                                                             timeout=self.timeout), self.timeout + 10)
+                                                             timeout=self.timeout, addresses=addresses),
+                       self.timeout + 10)
         self.pg = NO_DATA_PLANE
 
     def _update(self, target: int) -> Optional[str]:

@@ -123,7 +123,7 @@ def main() -> None:
                 result["refused_error"] = str(e)
             result["refused_s"] = time.monotonic() - t0
             result["refused_version"] = version.value
-            try:  # the failed sync dropped the group: another push must fail, not claim a version it never sent
+            try:  # the failed sync dropped the group: another push builds it again, fails again, claims nothing
                 sync.push()
                 result["after_refused"] = None
             except SyncError as e:

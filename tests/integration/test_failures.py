@@ -109,7 +109,8 @@ def test_server_answering_500_is_dropped_although_health_answers(server):
 
 @pytest.mark.slow
 def test_driver_stops_when_its_only_server_dies(tmp_path):
-    """Killing the only server mid-run ends `mega-async train` within unhealthy_timeout, with one line naming it."""
+    """Killing the only server mid-run, with no restart allowed, ends `mega-async train` within unhealthy_timeout,
+    with one line naming it."""
     import os
     import subprocess
     import sys
@@ -120,7 +121,7 @@ def test_driver_stops_when_its_only_server_dies(tmp_path):
     root = Path(__file__).resolve().parents[2]
     cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(root / "configs" / "tiny_cpu.yaml"),
            f"logging.root_dir={tmp_path}", "trainer.total_steps=50", "inference.unhealthy_timeout=5",
-           "logging.tensorboard=false"]
+           "logging.tensorboard=false", "inference.max_server_restarts=0"]  # given up on at once
     p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(root)})
     metrics = tmp_path / "tiny_cpu" / "run0" / "metrics.jsonl"
@@ -138,3 +139,55 @@ def test_driver_stops_when_its_only_server_dies(tmp_path):
     assert time.monotonic() - t0 < 5 + 60  # unhealthy_timeout plus one step's work, not a hang
     line = err.strip().splitlines()[-1]
     assert line.startswith("mega-async train: ") and "127.0.0.1" in line, err[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
+def test_a_killed_server_is_restarted_and_serves_the_current_version(tmp_path, weight_sync):
+    """kill -9 of one of two embedded servers mid-run: the run goes on with the other, the killed one is started
+    again at its address, kept out until it has the current weights (distributed: the next sync builds the
+    weight-update group again with it; disk: it loads the current version's directory) and then serves again;
+    verify_sync checks every server's logprobs against the trainer's after every later sync."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    root = Path(__file__).resolve().parents[2]
+    steps = 8
+    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(root / "configs" / "tiny_cpu.yaml"),
+           f"logging.root_dir={tmp_path}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
+           "parallel.allocation=sglang:d2+megatron:d1", f"trainer.weight_sync={weight_sync}",
+           "trainer.verify_sync=true"]
+    p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    run = tmp_path / "tiny_cpu" / "run0"
+    deadline = time.monotonic() + 600
+    try:
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.1)
+        servers = [c for c in psutil.Process(p.pid).children(recursive=True)
+                   if "mega_async.inference.server" in " ".join(c.cmdline())]
+        assert len(servers) == 2
+        servers[0].kill()
+        out, err = p.communicate(timeout=900)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, err[-3000:]
+    steps_logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len([m for m in steps_logged if "train/loss" in m or "step" in m]) >= steps
+    log = (run / "train.log").read_text()
+    assert "exited with code -9; restarting it (1 of 3)" in log
+    assert "kept out until it has the current weights" in log
+    assert "healthy again at the current weight version; re-admitted" in log
+    if weight_sync == "distributed":
+        assert "weight-update groups built again" in log
+    else:
+        assert "loaded version" in log
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("kind") == "server_restarted" for e in events)

@@ -136,3 +136,47 @@ def test_a_connection_the_server_closed_while_idle_is_not_a_dead_server(caplog):
         assert len(out.output_tokens) == 2 and client.servers[0].healthy
         assert "marked unhealthy" not in caplog.text
         assert f.state()[0]["counters"]["connections"] >= 3
+
+
+def test_a_server_back_behind_is_kept_out_until_it_has_the_current_weights(fleet):
+    """A server that crashes and restarts comes back with its launch weights: the client keeps it out of
+    generation (no token of an old version reaches a sample) and the run's recover hook brings it to the synced
+    version, after which it serves again. Without a hook it waits, behind, and stays in the next sync's servers."""
+    version = WeightVersion()
+    client = SGLangClient(fleet.addresses[:2], version=version, health_check_interval=0.05, retry_backoff=0.01)
+    recovered = []
+
+    async def recover(address):
+        recovered.append(address)
+        await client.update_weights_from_disk("/weights/v3", 3, address=address)
+
+    async def generate_until(cond, n=8):
+        outs, deadline = [], time.monotonic() + 30
+        while not cond() and time.monotonic() < deadline:
+            outs += await asyncio.gather(*(client.agenerate(ModelRequest([1, 2, len(outs) + i], max_new_tokens=6))
+                                           for i in range(n)))
+        assert cond(), "timed out"
+        return outs
+
+    async def main():
+        await client.update_weights_from_disk("/weights/v3", 3)  # the run's weight sync: both at version 3
+        version.set(3)
+        fleet.fail(1, "crash", duration=0.3)  # back as a new process at its launch version
+        back = client.servers[1]
+        outs = await generate_until(lambda: back.behind)
+        assert not back.healthy and [s.address for s in client.sync_targets()] == client.addresses
+        served = fleet.state()[1]["counters"].get("finished", 0)
+        outs += await asyncio.gather(*(client.agenerate(ModelRequest([5, i], max_new_tokens=6)) for i in range(16)))
+        assert fleet.state()[1]["counters"].get("finished", 0) == served  # kept out while behind
+        client.recover = recover
+        outs += await generate_until(lambda: back.healthy)
+        assert recovered == [back.address] and not back.behind
+        outs += await asyncio.gather(*(client.agenerate(ModelRequest([7, i], max_new_tokens=6)) for i in range(16)))
+        return outs
+
+    outs = asyncio.run(main())
+    for r in outs:  # every token came from the synced weights (the fleet's logprobs encode the version)
+        assert r.output_versions and set(r.output_versions) == {3}
+        assert {int(-lp // 1) for lp in r.output_logprobs} == {3}
+    st = fleet.state()[1]
+    assert st["version"] == "3" and st["counters"].get("finished", 0) > 0
