@@ -94,6 +94,7 @@ class _Server:
     behind: bool = False  # answers /health but not at the synced weight version: kept out of generation
     recovering: bool = False  # the run's recover hook is bringing it to the current weights
     rejoin: bool = False  # came back (a new process, or missed a sync): the weight-update group must be rebuilt
+    returning_until: float = 0.0  # restarted by the run: requests wait for it until then (monotonic)
 
 
 def merge_routed_experts(held: Any, encoded: Optional[str], total_rows: int, start: int) -> Any:
@@ -200,7 +201,6 @@ class SGLangClient:
         # weight sync sets it; None: a behind server waits for the next sync, which includes it)
         self.recover: Any = None
         self._tasks: set = set()
-        self.last_targets: list[str] = []  # the servers of the last update_weights_from_disk, in reply order
         self._rebuild_load()
 
     @staticmethod
@@ -337,9 +337,11 @@ class SGLangClient:
                 return
         if s.healthy or s.dropped is not None:  # another probe of it got here first
             return
+        if not s.behind:  # back after a failure, maybe as a new process (no weight-update group, no session)
+            s.rejoin, s.session_open = True, False
         logger.info("server %s is healthy again%s; re-admitted", s.address,
                     " at the current weight version" if s.behind else "")
-        s.healthy, s.failures, s.behind = True, 0, False
+        s.healthy, s.failures, s.behind, s.returning_until = True, 0, False, 0.0
         self._suspects.discard(self._index.get(id(s), -1))
         self._push(s)
 
@@ -351,8 +353,8 @@ class SGLangClient:
                            "weights", s.address, have, self._served)
             self.events.emit("server_behind", server=s.address, version=str(have))
             s.rejoin = True
-        s.behind, s.healthy = True, False
-        if s.dropped is None:
+        s.behind, s.healthy, s.session_open = True, False, False  # a new process has no session; a hung one's is
+        if s.dropped is None:                                   # closed by the next begin (SGLang refuses two)
             self._suspects.add(self._index.get(id(s), -1))
         self._start_recovery(s)
 
@@ -426,6 +428,13 @@ class SGLangClient:
         that is down or hung is left out; when it answers again it is behind and joins the next sync)."""
         return [s for s in self.servers if s.dropped is None and (s.healthy or s.behind)]
 
+    def expect_back(self, address: str, seconds: float) -> None:
+        """The run restarted this server: with no other server usable, requests wait up to `seconds` for it (not
+        just `unhealthy_timeout`), as long as it can be brought to the current weights without a sync (the
+        `recover` hook) or is not behind."""
+        for s in self._named([address]):
+            s.returning_until = time.monotonic() + seconds
+
     def drop(self, address: str, why: str) -> None:
         """Give up on a server for good (e.g. the run restarted it too often)."""
         for s in self.servers:
@@ -481,7 +490,11 @@ class SGLangClient:
                 if any(s.healthy for s in stale):
                     continue
             if time.monotonic() >= deadline:
-                raise self._no_server_error(self.unhealthy_timeout)
+                back = [x.returning_until for x in self.servers if x.dropped is None and x.returning_until > now
+                        and (self.recover is not None or not x.behind)]
+                if not back:
+                    raise self._no_server_error(self.unhealthy_timeout)
+                deadline = max(back)  # a restarted server is on its way
             await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
 
     async def _generate_once(self, rid: str, payload: dict) -> tuple[dict, _Server]:
@@ -540,7 +553,7 @@ class SGLangClient:
         as it arrives."""
         t0 = time.monotonic()
         resp = resume if resume is not None else ModelResponse(input_tokens=list(req.input_ids))
-        rounds = 0
+        rounds = dropped_answers = 0
         try:
             while len(resp.output_tokens) < req.max_new_tokens:
                 await self._wait_unpaused()
@@ -566,6 +579,10 @@ class SGLangClient:
                 if (stale := self._stale_answer(meta, sent_at)) is not None:  # its tokens are dropped, sent again
                     self._set_behind(server, stale)
                     self._sticky.pop(req.rid, None)
+                    dropped_answers += 1
+                    if dropped_answers > self.max_retries:
+                        raise ServerError(f"request {req.rid}: {dropped_answers} answers at weight version {stale}, "
+                                          f"older than the synced {self._served}")
                     continue
                 version = self._parse_version(meta.get("weight_version"))
                 lps = meta.get("output_token_logprobs") or []
@@ -690,19 +707,21 @@ class SGLangClient:
             raise ValueError(f"{e.args[0]} is not one of this client's servers") from None
 
     async def update_weights_from_disk(self, path: str, version: int | str, check: bool = True,
-                                       flush_cache: bool = True, address: Optional[str] = None) -> list[Any]:
-        """The sync's servers (`sync_targets`), or the one at `address`, load the HF directory `path`.
+                                       flush_cache: bool = True,
+                                       addresses: Optional[Sequence[str]] = None) -> list[Any]:
+        """The sync's servers (`sync_targets`), or those at `addresses`, load the HF directory `path`.
         `check=False`: never raises; failed servers' replies are returned as they came (None for an unreachable
-        one), in the order of `last_targets`. `flush_cache=False` with in-place pauses: SGLang 0.5.21+ fails an
+        one), in the order of the servers. `flush_cache=False` with in-place pauses: SGLang 0.5.21+ fails an
         update whose flush finds requests still running."""
-        targets = self._named([address]) if address else self.sync_targets()
-        self.last_targets = [s.address for s in targets]
-        out = await self._post_all("/update_weights_from_disk", {"model_path": str(path), "weight_version":
-                                                                 str(version), "flush_cache": flush_cache},
-                                   check=check, servers=targets)
-        if check and address is None:
-            self._served = str(version)
-        return out
+        targets = self._named(addresses) if addresses is not None else self.sync_targets()
+        return await self._post_all("/update_weights_from_disk", {"model_path": str(path), "weight_version":
+                                                                  str(version), "flush_cache": flush_cache},
+                                    check=check, servers=targets)
+
+    def synced(self, version: int | str) -> None:
+        """A weight sync to `version` succeeded on every server it targeted (the sync calls this after its
+        commit and session close): from now on a server is admitted only at this version."""
+        self._served = str(version)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, group_name: str,
                                         backend: str = "gloo", gpus_per_server: int = 1,
@@ -741,8 +760,6 @@ class SGLangClient:
             body["load_format"] = load_format
         await self._post_all("/update_weights_from_distributed", body, timeout=timeout,
                              servers=self._group if self._group is not None else self.sync_targets())
-        if version is not None:  # the commit: every member now serves this version
-            self._served = str(version)
 
     # ---- weight-update sessions (SGLang 0.5.21+) ------------------------------------------------
     async def learn_releases(self, timeout: Optional[float] = None) -> list[Release]:

@@ -6,6 +6,7 @@ and `stop()` in every failure path), so no orphan process survives a crash of th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import logging
 import os
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -134,6 +136,8 @@ class ServerLauncher:
         self.startup_timeout = startup_timeout
         self.procs: list[subprocess.Popen] = []
         self.addresses: list[str] = []
+        self._stopping = False  # set by stop(): no restart after it (a restart then would be an orphan)
+        self._restart_lock = threading.Lock()
         self._logs: list[Path] = []
 
     def start(self) -> list[str]:
@@ -171,9 +175,14 @@ class ServerLauncher:
     def restart(self, i: int) -> None:
         """Start server i again at its address (same port, its log appended); does not wait for /health: the
         client re-admits it once it answers with the current weights."""
-        if self.procs[i].poll() is None:
-            raise RuntimeError(f"server {i} is still running")
-        self.procs[i] = self._spawn(i, "ab")
+        with self._restart_lock:
+            if self._stopping:
+                raise RuntimeError("the servers are being stopped")
+            if self.procs[i].poll() is None:
+                raise RuntimeError(f"server {i} is still running")
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # what it left (e.g. SGLang's
+                os.killpg(self.procs[i].pid, signal.SIGKILL)                 # scheduler processes) holds its GPUs
+            self.procs[i] = self._spawn(i, "ab")
 
     def _wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -206,6 +215,8 @@ class ServerLauncher:
             p.wait()
 
     def stop(self, grace: float = 10.0) -> None:
+        with self._restart_lock:
+            self._stopping = True
         for p in self.procs:
             if p.poll() is None:
                 try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any, Optional
 
 from mega_async.allocation import parse_allocation
@@ -159,16 +160,22 @@ class ServerSupervisor:
         self.launcher, self.client, self.max_restarts, self.interval = launcher, client, max_restarts, interval
         self.events = events
         self.restarts = [0] * len(launcher.procs)
+        self.not_before = [0.0] * len(launcher.procs)  # backoff: 1, 2, 4 ... 30 s between restarts of one server
         self.given_up: set[int] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="server-supervisor", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        # the servers it restarts die with this thread (PR_SET_PDEATHSIG is per thread): it must not end early
         while not self._stop.wait(self.interval):
-            for i, rc in self.launcher.exited():
-                if i not in self.given_up and not self._stop.is_set():
-                    self.check(i, rc)
+            try:
+                for i, rc in self.launcher.exited():
+                    if (i not in self.given_up and not self._stop.is_set() and not self.launcher._stopping
+                            and time.monotonic() >= self.not_before[i]):
+                        self.check(i, rc)
+            except Exception:  # noqa: BLE001 - logged; supervision goes on
+                logger.exception("server supervisor")
 
     def check(self, i: int, rc: int) -> None:
         address = self.launcher.addresses[i]
@@ -180,12 +187,14 @@ class ServerSupervisor:
             self.client.drop(address, why)
             return
         self.restarts[i] += 1
+        self.not_before[i] = time.monotonic() + min(30.0, 2.0 ** (self.restarts[i] - 1))
         logger.warning("server %d (%s) exited with code %s; restarting it (%d of %d)", i, address, rc,
                        self.restarts[i], self.max_restarts)
         if self.events is not None:
             self.events.emit("server_restarted", server=address, code=rc, restarts=self.restarts[i])
         try:
             self.launcher.restart(i)
+            self.client.expect_back(address, self.launcher.startup_timeout)
         except Exception as e:  # noqa: BLE001 - counted: the next look finds it ended again
             logger.error("server %d (%s) could not be started again: %s: %s", i, address, type(e).__name__, e)
 

@@ -181,9 +181,12 @@ class WeightSync:
         The servers are the client's `sync_targets`: a server that is down is left out (it is brought up to date
         when it answers again). A sync that fails because one of its servers went down meanwhile is done once
         more without it; any other failure is raised."""
+        start = self.version.value
         try:
             return self._push_once()
         except SyncError as e:
+            if self.version.value != start:  # committed (a verify failed after it): nothing to do again
+                raise
             lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
             if not lost:
                 raise
@@ -204,15 +207,17 @@ class WeightSync:
         return [s.address for s in client.sync_targets()]
 
     def _lost_servers(self) -> list[str]:
-        """Rank 0: servers of the last push that are down now or lost their state (a restarted process)."""
+        """Rank 0: servers of the failed push that are down now or lost their state (a restarted process)."""
         client = self.rollout.client
-        if hasattr(client, "find_behind"):
-            try:
-                self._loop.run(client.find_behind(), self.timeout + 10)
-            except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
-                logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
-        now = {s.address for s in client.sync_targets() if not s.rejoin} if hasattr(client, "sync_targets") else set()
-        return [a for a in self._targets if a not in now]
+        if not hasattr(client, "find_behind"):
+            return []
+        try:
+            behind = set(self._loop.run(client.find_behind(), self.timeout + 10))
+        except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
+            logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
+            behind = set()
+        now = {s.address for s in client.sync_targets()}
+        return [a for a in self._targets if a not in now or a in behind]
 
     def _membership(self) -> None:
         """Before a push (every rank): the distributed sync rebuilds its group when the servers changed."""
@@ -256,6 +261,7 @@ class WeightSync:
                     self._end_quietly()  # no server is left with a weight-update session open
                 elif self.rollout is not None:
                     self.version.set(target)
+                    _maybe(self.rollout.client, "synced", target)  # servers are admitted at this version now
         if errors:
             self._after_failure()
             _agree(None, self.group)  # no rank leaves before rank 0 has rolled back and continued the servers
@@ -319,6 +325,8 @@ class WeightSync:
         """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
         client = self.rollout.client
         addresses = self._verified()
+        if addresses == []:
+            return "no server of this sync is up to be verified"
         try:
             replies = self._loop.run(client.weights_checksums(self.timeout, addresses), self.timeout + 10)
             infos = self._loop.run(client.model_info(addresses), self.timeout + 10)
@@ -443,10 +451,10 @@ class WeightSync:
         self._loop.close()
 
 
-def _maybe(obj: Any, method: str) -> None:
+def _maybe(obj: Any, method: str, *args: Any) -> None:
     fn = getattr(obj, method, None)
     if fn is not None:
-        fn()
+        fn(*args)
 
 
 def aligned_order(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -518,16 +526,20 @@ class DiskWeightSync(WeightSync):
         self.src_dir = src_dir
         self.keep = max(1, keep)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._pushing = False
         if self.rollout is not None and hasattr(self.rollout.client, "recover"):
             self.rollout.client.recover = self._recover  # a server back behind loads the current version
 
     async def _recover(self, address: str) -> None:
-        """One server that came back (restarted, or down during a sync) loads the current version's directory."""
+        """One server that came back (restarted, or down during a sync) loads the current version's directory.
+        While a push runs it waits for it: it is among that push's servers, which load the new version."""
+        if self._pushing:
+            return
         v = self.version.value
         path = self.path(v)
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: the current version's weights are not on disk (pruned by a newer sync?)")
-        await self.rollout.client.update_weights_from_disk(str(path), v, address=address, flush_cache=True)
+        await self.rollout.client.update_weights_from_disk(str(path), v, addresses=[address], flush_cache=True)
         logger.info("server %s loaded version %d from %s", address, v, path)
 
     def path(self, version: int) -> Path:
@@ -553,7 +565,11 @@ class DiskWeightSync(WeightSync):
         return None
 
     def push(self) -> dict[str, float]:
-        out = super().push()
+        self._pushing = True
+        try:
+            out = super().push()
+        finally:
+            self._pushing = False
         if _rank() == 0:
             self._prune()
         return out
@@ -568,14 +584,14 @@ class DiskWeightSync(WeightSync):
         if path is None:
             return super()._rollback()
         client = self.rollout.client
+        targets = self._targets or client.addresses
         try:
             replies = self._loop.run(client.update_weights_from_disk(str(path.resolve()), v, check=False,
-                                                                     flush_cache=self.flush_cache),
+                                                                     flush_cache=self.flush_cache, addresses=targets),
                                      2 * self.timeout + 10)
         except Exception as e:  # noqa: BLE001
-            replies = [f"{type(e).__name__}: {e}"] * len(client.servers)
-        bad = [a for a, r in zip(getattr(client, "last_targets", None) or client.addresses, replies)
-               if not (isinstance(r, dict) and r.get("success"))]
+            replies = [f"{type(e).__name__}: {e}"] * len(targets)
+        bad = [a for a, r in zip(targets, replies) if not (isinstance(r, dict) and r.get("success"))]
         if bad:
             logger.warning("servers %s could not reload version %d from %s", bad, v, path)
             return f"servers {', '.join(bad)} could not reload version {v} from {path} (a server whose own load failed " \
@@ -733,6 +749,7 @@ class DistributedWeightSync(WeightSync):
         except Exception as e:  # noqa: BLE001
             self._init_error = f"{self.group_name}: {type(e).__name__}: {e}"
             fut.cancel()
+            self._abort()  # no half-built group: the next push builds one again
 
     def _init_control_plane_only(self, address: str, port: int, addresses: Optional[list[str]] = None) -> None:
         """data_plane="none": the servers are told of a group nobody joins and no tensor moves. Only simulated fleet
@@ -765,8 +782,8 @@ class DistributedWeightSync(WeightSync):
             if token.item():
                 error = f"stage {rs.pp_rank - 1} failed first; stage {rs.pp_rank} sent nothing"
         if error is None and rs.is_stage_head and self.pg is None:  # dropped by an earlier failed sync
-            error = (f"stage {rs.pp_rank} has no weight-update group (an earlier sync failed and dropped it); "
-                     "restart the run (trainer.resume=auto continues from the last checkpoint)")
+            error = (f"stage {rs.pp_rank} has no weight-update group (building it failed); check the servers' "
+                     "logs")
         try:
             error = self._stream(target, stats, error)
         finally:

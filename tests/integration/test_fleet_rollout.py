@@ -148,7 +148,7 @@ def test_a_server_back_behind_is_kept_out_until_it_has_the_current_weights(fleet
 
     async def recover(address):
         recovered.append(address)
-        await client.update_weights_from_disk("/weights/v3", 3, address=address)
+        await client.update_weights_from_disk("/weights/v3", 3, addresses=[address])
 
     async def generate_until(cond, n=8):
         outs, deadline = [], time.monotonic() + 30
@@ -161,6 +161,7 @@ def test_a_server_back_behind_is_kept_out_until_it_has_the_current_weights(fleet
     async def main():
         await client.update_weights_from_disk("/weights/v3", 3)  # the run's weight sync: both at version 3
         version.set(3)
+        client.synced(3)
         fleet.fail(1, "crash", duration=0.3)  # back as a new process at its launch version
         back = client.servers[1]
         outs = await generate_until(lambda: back.behind)
@@ -180,3 +181,26 @@ def test_a_server_back_behind_is_kept_out_until_it_has_the_current_weights(fleet
         assert {int(-lp // 1) for lp in r.output_logprobs} == {3}
     st = fleet.state()[1]
     assert st["version"] == "3" and st["counters"].get("finished", 0) > 0
+
+
+def test_an_answer_from_a_server_restarted_between_requests_is_dropped_and_sent_again(fleet):
+    """A server that restarted while no request of ours was on it is not known to be down: its first answer
+    (launch weights, version 0, older than the version the request was sent at) is dropped, the server is taken
+    out, and the request is served again by an up-to-date one."""
+    version = WeightVersion()
+    client = SGLangClient(fleet.addresses[2:4], version=version, health_check_interval=0.05, retry_backoff=0.01)
+
+    async def main():
+        await client.update_weights_from_disk("/weights/v5", 5)
+        version.set(5)
+        client.synced(5)
+        fleet.fail(3, "crash")
+        fleet.recover(3)  # back at once as a new process: the client saw nothing
+        assert fleet.state()[3]["version"] != "5"
+        return await asyncio.gather(*(client.agenerate(ModelRequest([9, i], max_new_tokens=5, ignore_eos=True))
+                                      for i in range(12)))
+
+    outs = asyncio.run(main())
+    assert client.servers[1].behind and not client.servers[1].healthy
+    assert all(set(r.output_versions) == {5} and len(r.output_tokens) == 5 for r in outs)
+    assert all({int(-lp // 1) for lp in r.output_logprobs} == {5} for r in outs)

@@ -330,7 +330,7 @@ def test_settle_waits_for_aborted_outputs_not_for_requests_held_by_the_pause(ser
         finally:
             await client.continue_generation()
             client.resume()
-        out = await held
+        out, _ = await held
         resp = await running
         return aborted_back, got, still, waited, out, resp
 
