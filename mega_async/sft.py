@@ -184,7 +184,7 @@ def evaluate_dir(model_dir: str | Path, items: Sequence[dict[str, Any]], samples
     """Greedy and sampled (temperature 1, `samples` each) exact match of an HF directory on `items`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, use_safetensors=True)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     return {"greedy": exact_match(model, items, tok), "sampled_t1": exact_match(model, items, tok, 1.0, samples, seed),
             "problems": len(items), "samples": samples}

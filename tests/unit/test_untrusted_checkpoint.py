@@ -162,3 +162,30 @@ def test_convert_refuses_links_in_the_checkpoint(group, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "hf/tokenizer.json: is a symbolic link (to /etc/passwd)" in err
     shutil.rmtree(d)
+
+
+class _Marker:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_pickled_weights_file_is_never_loaded_by_the_server(tmp_path):
+    """A model directory holding only pytorch_model.bin (a pickle) is refused by the embedded server's loader
+    without unpickling it: weights come from safetensors only."""
+    import shutil
+
+    import torch
+
+    from mega_async.inference.server.weights import load_pretrained
+
+    d = tmp_path / "model"
+    d.mkdir()
+    shutil.copy(Path(__file__).resolve().parents[2] / "models" / "tiny-qwen3-moe" / "config.json", d)
+    marker = tmp_path / "ran"
+    torch.save({"gadget": _Marker(str(marker))}, d / "pytorch_model.bin")
+    with pytest.raises((OSError, ValueError, EnvironmentError)):
+        load_pretrained(d, torch.float32)
+    assert not marker.exists()

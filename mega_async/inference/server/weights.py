@@ -180,7 +180,7 @@ def load_pretrained(path: str | Path, dtype: torch.dtype, device: str = "cpu") -
 
     block = fp8.dir_block(path)
     if block is None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)  # no pickle
     cfg = AutoConfig.from_pretrained(path)
     del cfg.quantization_config  # the weights are dequantized here: a plain model
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
