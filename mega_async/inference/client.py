@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import heapq
 import json
 import logging
@@ -151,6 +152,33 @@ def _broken(e: BaseException) -> bool:
         not isinstance(e, aiohttp.ClientConnectorError)
 
 
+def _out_of_files(e: BaseException) -> bool:
+    """This process ran out of file descriptors (EMFILE/ENFILE): a local shortage, not the server's fault."""
+    err = getattr(e, "os_error", None) or e
+    return isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE)
+
+
+def connection_budget() -> int:
+    """Connections one client session may hold at once. The open-file limit is raised to its hard limit first (as
+    SGLang's launcher does); a run has two busy sessions (the rollout loop's, the sync's) and keeps a reserve of
+    1,024 descriptors for everything else. Requests beyond it wait for a connection in the client instead of
+    failing with 'Too many open files' (16,384 requests in flight did, and every server was marked down)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= hard:
+        soft = hard
+    else:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard if hard != 1 << 20 else resource.RLIM_INFINITY))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return max(64, (soft - 1024) // 2)
+
+
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -201,6 +229,8 @@ class SGLangClient:
         # weight sync sets it; None: a behind server waits for the next sync, which includes it)
         self.recover: Any = None
         self._tasks: set = set()
+        self._connections = connection_budget()  # per session (event loop)
+        self._emfile_warned = 0.0
         self._rebuild_load()
 
     @staticmethod
@@ -234,7 +264,8 @@ class SGLangClient:
         for other in [x for x in list(self._sessions) if x.is_closed()]:  # ended without closing its session
             self._sessions.pop(other).detach()
             self._keepers.pop(other, None)
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._connections,
+                                                                 keepalive_timeout=KEEPALIVE_S))
         self._sessions[loop] = s
         keeper = self._keep(loop, s)
         await keeper.asend(None)  # started: the loop's shutdown_asyncgens() (asyncio.run does) closes the session
@@ -511,6 +542,12 @@ class SGLangClient:
                 status, body = await self._request("POST", s, "/generate", payload, resend=False)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
                 attempt += 1
+                if _out_of_files(e):  # ours, not the server's: wait for descriptors to free up
+                    if time.monotonic() - self._emfile_warned > 10.0:
+                        self._emfile_warned = time.monotonic()
+                        logger.warning("out of file descriptors (%s); requests wait and retry", e)
+                    await asyncio.sleep(self.retry_backoff * min(attempt, 10))
+                    continue
                 if _broken(e) and not resent:  # most often a kept-alive connection the server had closed: the
                     resent = True  # same server again at once (a dead one refuses the new connection)
                     continue

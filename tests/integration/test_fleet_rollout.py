@@ -204,3 +204,34 @@ def test_an_answer_from_a_server_restarted_between_requests_is_dropped_and_sent_
     assert client.servers[1].behind and not client.servers[1].healthy
     assert all(set(r.output_versions) == {5} and len(r.output_tokens) == 5 for r in outs)
     assert all({int(-lp // 1) for lp in r.output_logprobs} == {5} for r in outs)
+
+
+def test_more_requests_in_flight_than_open_files_wait_for_connections():
+    """16,384 requests in flight once ran the controller out of file descriptors ('Too many open files'), and the
+    client marked every server down for it. Here a process limited to 300 open files sends 600 requests at once
+    to 8 servers (in the same process: each connection costs two descriptors): they queue for the client's
+    connections and all finish, no server is marked down."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import asyncio, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+from mega_async.inference.client import SGLangClient
+from mega_async.inference.fleet import Fleet, FleetConfig
+from mega_async.types import ModelRequest
+with Fleet(8, FleetConfig(length_median=20, length_sigma=0.0, token_latency_s=0.002, ttft_s=0.01), in_thread=True) as f:
+    client = SGLangClient(f.addresses, retry_backoff=0.01)
+    async def main():
+        return await asyncio.gather(*(client.agenerate(ModelRequest([3, i % 50, i], max_new_tokens=8, ignore_eos=True))
+                                      for i in range(600)))
+    out = asyncio.run(main())
+    assert len(out) == 600 and all(len(r.output_tokens) == 8 for r in out)
+    assert all(s.healthy for s in client.servers)
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert "marked unhealthy" not in r.stderr
