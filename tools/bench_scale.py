@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_STALENESS = 3
@@ -99,7 +100,7 @@ def controller(a: argparse.Namespace) -> dict:
             marks.setdefault("calls", []).append(calls)
             return None
 
-    client = SGLangClient(addresses, version=version, request_timeout=600, unhealthy_timeout=120)
+    client = SGLangClient(addresses, version=version, request_timeout=a.request_timeout, unhealthy_timeout=120)
     workflow = Workflow(reward, max_new_tokens=a.max_new_tokens, stop_token_ids=[2])
     ex = WorkflowExecutor(client, workflow, consumer_batch_size=B, max_staleness=MAX_STALENESS,
                           max_concurrent_rollouts=C, version=version, max_consecutive_failures=None)
@@ -212,6 +213,14 @@ def fleet_config(a: argparse.Namespace, n: int, c: int) -> dict:
             "max_running_requests": max(256, per_server), "load_s": 0.0, "keepalive_s": 5.0}
 
 
+def request_timeout(a: argparse.Namespace, cfg: Any, n: int, c: int) -> float:
+    """Twice the fleet's longest answer (max_new_tokens at a full server's per-token latency), at least 600 s: at
+    65,536 in flight a 512-token answer takes ~40 minutes by design (C / throughput), and a request timing out is
+    a failure of the server it went to."""
+    per_token = cfg.token_latency_s + cfg.batch_latency_s * -(-c // n)
+    return round(max(600.0, 2 * a.max_new_tokens * per_token), 1)
+
+
 def cpu_of(pids: list[int]) -> float:
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
@@ -236,7 +245,8 @@ def run_one(a: argparse.Namespace, variant: str, tree: Path, n: int, c: int, tmp
         out = tmp / f"{variant}_{n}_{c}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--controller", "--addresses-file", str(addr),
                "--inflight", str(c), "--json-out", str(out)] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (
-                   "steps", "warmup", "buckets", "max_new_tokens", "prompt_tokens", "interrupt")]
+                   "steps", "warmup", "buckets", "max_new_tokens", "prompt_tokens", "interrupt")] + [
+                   f"--request-timeout={request_timeout(a, cfg, n, c)}"]
         env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
         fleet_cpu0 = cpu_of([p.pid for p in fleet._workers])
         t0 = time.perf_counter()
@@ -310,6 +320,7 @@ def main() -> None:
     ap.add_argument("--controller", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--addresses-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--request-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.controller:
         a.inflight = int(a.inflight)

@@ -158,11 +158,16 @@ def _out_of_files(e: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE)
 
 
+CONTROL_CONNECTIONS = 256  # per event loop, for everything but /generate (probes, pause, weight updates)
+CONNECT_TIMEOUT_S = 30.0  # a TCP connect to a server (not the wait for a free connection of our own)
+
+
 def connection_budget() -> int:
-    """Connections one client session may hold at once. The open-file limit is raised to its hard limit first (as
-    SGLang's launcher does); a run has two busy sessions (the rollout loop's, the sync's) and keeps a reserve of
-    1,024 descriptors for everything else. Requests beyond it wait for a connection in the client instead of
-    failing with 'Too many open files' (16,384 requests in flight did, and every server was marked down)."""
+    """Connections one client session may hold for /generate at once. The open-file limit is raised to its hard
+    limit first (as SGLang's launcher does); a run has two busy loops (the rollout loop's, the sync's), each with
+    its generation pool and its control pool (CONTROL_CONNECTIONS), and keeps a reserve of 1,024 descriptors for
+    everything else. Requests beyond it wait for a connection in the client instead of failing with 'Too many
+    open files' (16,384 requests in flight did, and every server was marked down)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -176,7 +181,7 @@ def connection_budget() -> int:
             soft = hard
         except (ValueError, OSError):
             pass
-    return max(64, (soft - 1024) // 2)
+    return max(64, (soft - 1024 - 2 * CONTROL_CONNECTIONS) // 2)
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -215,7 +220,7 @@ class SGLangClient:
         self._unpaused.set()
         self._pause_lock = threading.Lock()
         self._resumed: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}  # per loop: set by resume()
-        self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}  # one per event loop
+        self._sessions: dict[asyncio.AbstractEventLoop, tuple] = {}  # per event loop: (generate, control)
         self._keepers: dict[asyncio.AbstractEventLoop, Any] = {}
         self._urls: dict[tuple[str, str], URL] = {}
         self._sticky: dict[str, _Server] = {}
@@ -246,40 +251,44 @@ class SGLangClient:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     async def aclose(self) -> None:
-        """Close this event loop's HTTP session (a loop's session is also closed when asyncio.run ends it)."""
-        s = self._sessions.pop(asyncio.get_running_loop(), None)
+        """Close this event loop's HTTP sessions (a loop's sessions are also closed when asyncio.run ends it)."""
+        pools = self._sessions.pop(asyncio.get_running_loop(), None)
         keeper = self._keepers.pop(asyncio.get_running_loop(), None)
-        if s is not None:
+        for s in pools or ():
             await s.close()
         if keeper is not None:
             await keeper.aclose()
 
-    async def _session(self) -> aiohttp.ClientSession:
-        """This event loop's session: its connections are kept alive and reused (a session may not cross loops,
-        and the client is used from the rollout thread, the sync's HTTP thread and short asyncio.run loops)."""
+    async def _session(self, control: bool = False) -> aiohttp.ClientSession:
+        """This event loop's session for /generate, or (`control`) for every other call: its connections are
+        kept alive and reused (a session may not cross loops, and the client is used from the rollout thread, the
+        sync's HTTP thread and short asyncio.run loops). Two pools, so that a health probe, a pause or a weight
+        update never queues behind thousands of generation requests waiting for a connection (65,536 in flight
+        did: the probes timed out in the queue and every server was marked down)."""
         loop = asyncio.get_running_loop()
-        s = self._sessions.get(loop)
-        if s is not None and not s.closed:
-            return s
-        for other in [x for x in list(self._sessions) if x.is_closed()]:  # ended without closing its session
-            self._sessions.pop(other).detach()
-            self._keepers.pop(other, None)
-        s = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._connections,
-                                                                 keepalive_timeout=KEEPALIVE_S))
-        self._sessions[loop] = s
-        keeper = self._keep(loop, s)
-        await keeper.asend(None)  # started: the loop's shutdown_asyncgens() (asyncio.run does) closes the session
-        self._keepers[loop] = keeper
-        return s
+        pools = self._sessions.get(loop)
+        if pools is None or pools[0].closed or pools[1].closed:
+            for other in [x for x in list(self._sessions) if x.is_closed()]:  # ended without closing its sessions
+                for s in self._sessions.pop(other):
+                    s.detach()
+                self._keepers.pop(other, None)
+            pools = tuple(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n, keepalive_timeout=KEEPALIVE_S))
+                          for n in (self._connections, CONTROL_CONNECTIONS))
+            self._sessions[loop] = pools
+            keeper = self._keep(loop, pools)
+            await keeper.asend(None)  # started: the loop's shutdown_asyncgens() (asyncio.run does) closes them
+            self._keepers[loop] = keeper
+        return pools[1] if control else pools[0]
 
-    async def _keep(self, loop: asyncio.AbstractEventLoop, s: aiohttp.ClientSession) -> AsyncIterator[None]:
+    async def _keep(self, loop: asyncio.AbstractEventLoop, pools: tuple) -> AsyncIterator[None]:
         try:
             yield
         finally:
-            if self._sessions.get(loop) is s:
+            if self._sessions.get(loop) is pools:
                 del self._sessions[loop]
                 self._keepers.pop(loop, None)
-            await s.close()
+            for s in pools:
+                await s.close()
 
     async def _request(self, method: str, server: _Server, path: str, body: Any = None,
                        timeout: Optional[float] = None, resend: bool = True) -> tuple[int, Any]:
@@ -287,8 +296,14 @@ class SGLangClient:
         if body is not None:
             kw["data"] = _dumps(body)
             kw["headers"]["Content-Type"] = "application/json"
-        kw["timeout"] = aiohttp.ClientTimeout(total=timeout if timeout is not None else self.request_timeout)
-        session = await self._session()
+        limit = timeout if timeout is not None else self.request_timeout
+        generate = path == "/generate"
+        if generate:  # the server's time to answer; waiting for one of our own connections is not the server's
+            kw["timeout"] = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=CONNECT_TIMEOUT_S,
+                                                  sock_read=limit)
+        else:
+            kw["timeout"] = aiohttp.ClientTimeout(total=limit)
+        session = await self._session(control=not generate)
         url = self._urls.get((server.address, path))
         if url is None:  # parsed once per server and path (yarl's parse costs ~10 us a call)
             url = self._urls[(server.address, path)] = URL(server.address + path)

@@ -114,7 +114,8 @@ def test_calls_of_one_loop_reuse_kept_alive_connections(fleet):
         await client.continue_generation()
 
     asyncio.run(main())
-    assert fleet.state()[0]["counters"]["connections"] - before == 1  # one connection, not one per call
+    # one connection for the generations, one for the control calls: not one per call
+    assert fleet.state()[0]["counters"]["connections"] - before == 2
 
 
 def test_a_connection_the_server_closed_while_idle_is_not_a_dead_server(caplog):
@@ -228,6 +229,47 @@ with Fleet(8, FleetConfig(length_median=20, length_sigma=0.0, token_latency_s=0.
                                       for i in range(600)))
     out = asyncio.run(main())
     assert len(out) == 600 and all(len(r.output_tokens) == 8 for r in out)
+    assert all(s.healthy for s in client.servers)
+print("ok")
+"""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert "marked unhealthy" not in r.stderr
+
+
+def test_requests_waiting_for_a_connection_neither_time_out_nor_block_control_calls():
+    """65,536 requests in flight (most waiting for one of the client's connections) once marked every server down:
+    the wait for a connection counted against the request's timeout, and the health probes that should have
+    re-admitted the servers queued behind the waiting requests until they timed out too. Here a process whose
+    open-file limit leaves the client 64 connections sends 400 requests, each taking ~0.4 s on the server, with
+    a 1.5 s request timeout (the last ones wait ~2.5 s for a connection): all finish, no server is marked down,
+    and a control call made while most are still waiting is answered before they finish."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = """
+import asyncio, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (1152, 1152))
+from mega_async.inference.client import SGLangClient, connection_budget
+from mega_async.inference.fleet import Fleet, FleetConfig
+from mega_async.types import ModelRequest
+assert connection_budget() == 64, connection_budget()
+with Fleet(4, FleetConfig(length_median=40, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0,
+                          max_running_requests=1000), in_thread=True) as f:
+    client = SGLangClient(f.addresses, request_timeout=1.5, retry_backoff=0.01)
+    async def main():
+        tasks = [asyncio.ensure_future(client.agenerate(ModelRequest([3, i % 50, i], max_new_tokens=40,
+                                                                     ignore_eos=True))) for i in range(400)]
+        await asyncio.sleep(0.2)
+        infos = await client.server_info(timeout=1.0)  # queued behind 336 waiting requests before the fix
+        pending = sum(not t.done() for t in tasks)
+        return infos, pending, await asyncio.gather(*tasks)
+    infos, pending, out = asyncio.run(main())
+    assert len(infos) == 4 and all(isinstance(i, dict) for i in infos), infos
+    assert pending > 200, pending
+    assert len(out) == 400 and all(len(r.output_tokens) == 40 for r in out)
     assert all(s.healthy for s in client.servers)
 print("ok")
 """
