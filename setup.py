@@ -30,6 +30,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["mega_async", "mega_async.*"]),
+    package_data={"mega_async.launch.slurm": ["templates/*"]},  # the sbatch templates: pip installs ship them
     install_requires=CORE,
     extras_require={
         # GPU-only packages: imported lazily, never needed on the CPU path.

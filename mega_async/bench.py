@@ -192,7 +192,7 @@ def run_train(config: str, overrides: Sequence[str], run_root: Path, trial: str,
               timeout: float = 1800.0, accuracy: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """One training run in a subprocess; its figures from metrics.jsonl plus the peak memory (and, with
     `accuracy` {target, window}, the accuracy figures)."""
-    from mega_async.report import read_metrics, summarize
+    from mega_async.run.report import read_metrics, summarize
 
     cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(config), *overrides,
            f"logging.root_dir={run_root}", "experiment_name=bench", f"trial_name={trial}",

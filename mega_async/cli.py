@@ -14,7 +14,7 @@ def _setup_logging(level: str) -> None:
 
 
 def _cmd_rollout(args: argparse.Namespace) -> int:
-    from mega_async.loop import run_rollout
+    from mega_async.run.loop import run_rollout
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(cfg.logging.level)
@@ -46,16 +46,14 @@ def _cmd_init_weights(argv: list[str]) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     import os
 
-    from mega_async import spmd
-    from mega_async.allocation import AllocationError, parse_allocation
-
+    from mega_async.launch import local
     if args.resume:
         args.overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")] + ["trainer.resume=require"]
     cfg = load_config(args.config, args.overrides)
     if cfg.inference.backend == "simulated":
         raise ConfigError("inference.backend=simulated has no model to train or update; mega-async train needs "
                           "embedded or sglang servers (the simulator is for mega-async rollout)")
-    layout = parse_allocation(cfg.parallel.allocation).train
+    layout = cfg.allocation().train
     world = layout.world_size
     if (Path(cfg.model.path) / "config.json").exists():  # a layout that does not fit fails before anything starts
         from transformers import AutoConfig
@@ -64,25 +62,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
     from mega_async.checkpoint import CheckpointError, checked_resume_point, resume_point
-    from mega_async.loop import check_inputs
+    from mega_async.run.loop import check_inputs
 
     resume_point(cfg.run_dir, cfg.trainer.resume)  # no mix of two runs, no link out of the run dir, before a write
     check_inputs(cfg)  # model card, context budget, dataset and reward before any rank or server starts
-    from mega_async.console import setup_logging
+    from mega_async.run.console import setup_logging
 
     setup_logging(cfg.logging.level, cfg.run_dir, cfg.trainer.total_steps, verbose=args.verbose)
-    checked = not spmd.under_launcher()  # under torchrun/srun every rank runs this: rank 0 checks in run_training
+    checked = not local.under_launcher()  # under torchrun/srun every rank runs this: rank 0 checks in run_training
     if checked:  # the checkpoint checked whole (logged) before any rank or server starts
         checked_resume_point(cfg, world)
-    if world > 1 and not spmd.under_launcher():  # one host: start the trainer ranks ourselves
+    if world > 1 and not local.under_launcher():  # one host: start the trainer ranks ourselves
         argv = ["train"] + (["-c", args.config] if args.config else []) + (["-v"] if args.verbose else []) \
             + list(args.overrides)
-        return spmd.launch_local(world, argv)
-    from mega_async.loop import Preempted, run_training
+        return local.launch_local(world, argv)
+    from mega_async.allocation import AllocationError
+    from mega_async.run.loop import Preempted, run_training
 
-    spmd.stop_on_sigterm()
+    local.stop_on_sigterm()
     try:
-        history = run_training(cfg, stop_requested=spmd.PreemptFlag(), resume_checked=checked)
+        history = run_training(cfg, stop_requested=local.PreemptFlag(), resume_checked=checked)
     except Preempted as e:  # a clean stop with a checkpoint: exit 0 so a requeued job resumes
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"mega-async train: {e}", flush=True)
@@ -92,9 +91,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise  # bad input: main() prints it in one line
         logging.getLogger("mega_async.cli").exception("trainer rank failed")
         if world > 1:  # leave at once: a collective teardown could wait on a dead rank
-            if not spmd.stopped_by_launcher(e):  # torchrun stopping us is not the failure to report
-                line = spmd.record_error(e)
-                if not os.environ.get(spmd.ERROR_DIR_ENV):  # under an external torchrun/srun: say it here
+            if not local.stopped_by_launcher(e):  # torchrun stopping us is not the failure to report
+                line = local.record_error(e)
+                if not os.environ.get(local.ERROR_DIR_ENV):  # under an external torchrun/srun: say it here
                     print(f"mega-async train: {line}", file=sys.stderr, flush=True)
             logging.shutdown()
             os._exit(1)
@@ -114,7 +113,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_sft(args: argparse.Namespace) -> int:
-    from mega_async.console import setup_logging
+    from mega_async.run.console import setup_logging
     from mega_async.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
@@ -127,7 +126,7 @@ def _cmd_sft(args: argparse.Namespace) -> int:
 
 def _report(run_dir: Path) -> None:
     """End-of-run report: report.png next to metrics.jsonl and the summary table (never fails the run)."""
-    from mega_async.report import write_report
+    from mega_async.run.report import write_report
 
     try:
         png, table = write_report(run_dir)
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench(argv[1:])
     if argv[:1] == ["launch"]:
-        from mega_async.launcher.slurm import main as launch
+        from mega_async.launch.slurm.submit import main as launch
 
         return launch(argv[1:])
     if argv[:1] == ["convert"]:

@@ -15,6 +15,8 @@ from typing import Any, Optional, Sequence
 
 import yaml
 from omegaconf import OmegaConf
+
+from mega_async.allocation import Allocation, AllocationError, parse_allocation  # pure Python, no torch
 from omegaconf.errors import OmegaConfBaseException
 
 
@@ -30,11 +32,21 @@ class ModelConfig:
     path: str = "models/tiny-qwen3-moe"  # HF-format directory (config.json, tokenizer, safetensors)
     dtype: str = "float32"  # float32 | bfloat16 | float16
 
+    def validate(self) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+
 
 @dataclass
 class ParallelConfig:
     # AReaL-style allocation: inference part '+' trainer part, e.g. sglang:d4t2+megatron:d2p2t2e4
     allocation: str = "sglang:d1+megatron:d1"
+
+    def validate(self) -> None:
+        try:
+            parse_allocation(self.allocation)
+        except AllocationError as e:
+            why = str(e).removeprefix("AllocationError: ")
+            raise ConfigError(f"parallel.allocation={self.allocation!r}: {why}") from None
 
 
 @dataclass
@@ -56,6 +68,19 @@ class InferenceConfig:
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
     # launch an installed SGLang outside the tested release range (mega_async.inference.sglang_releases)
     allow_untested_sglang: bool = False
+
+    def validate(self) -> None:
+        _choice("inference.backend", self.backend, ("embedded", "sglang", "simulated"))
+        _positive("inference.request_timeout", self.request_timeout)
+        if self.api_key is not None:
+            raise ConfigError(f"inference.api_key must not be set: it would be written to the run's config.yaml; "
+                              f"export the key in the environment variable {self.api_key_env} "
+                              "(inference.api_key_env) instead")
+        if not self.api_key_env or not self.api_key_env.replace("_", "").isalnum():
+            raise ConfigError(f"inference.api_key_env={self.api_key_env!r} must be an environment variable name")
+        _positive("inference.max_retries", self.max_retries, allow_zero=True)
+        _positive("inference.unhealthy_timeout", self.unhealthy_timeout)
+        _positive("inference.max_server_restarts", self.max_server_restarts, allow_zero=True)
 
 
 @dataclass
@@ -89,6 +114,35 @@ class RolloutConfig:
     # requests to finish first; the paper's non-interruptible baseline)
     interrupt: str = "abort"
 
+    def validate(self) -> None:
+        if self.max_consecutive_failures is not None:
+            _positive("rollout.max_consecutive_failures", self.max_consecutive_failures)
+        _positive("rollout.consumer_batch_size", self.consumer_batch_size)
+        _choice("rollout.interrupt", self.interrupt, ("abort", "retract", "in_place", "none"))
+        _positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
+        if self.max_concurrent_rollouts is not None:
+            _positive("rollout.max_concurrent_rollouts", self.max_concurrent_rollouts)
+        _positive("rollout.group_size", self.group_size)
+        _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.temperature", self.temperature, allow_zero=True)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"rollout.top_p={self.top_p} must be in (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ConfigError(f"rollout.top_k={self.top_k} must be -1 (all tokens) or >= 1")
+        _positive("rollout.reward_timeout", self.reward_timeout)
+        if self.dynamic_filter and self.group_size < 2:
+            raise ConfigError(f"rollout.dynamic_filter=true needs rollout.group_size >= 2 (got {self.group_size}): "
+                              "a group of one always has equal rewards; set rollout.dynamic_filter=false")
+        if self.dynamic_filter_max_drops is not None:
+            _positive("rollout.dynamic_filter_max_drops", self.dynamic_filter_max_drops)
+        wf = self.workflow
+        if wf not in ("rlvr", "multi_turn") and not (":" in wf and all(p.isidentifier() for p in
+                                                                         wf.replace(":", ".").split("."))):
+            raise ConfigError(f"rollout.workflow={wf!r} is not rlvr, multi_turn or package.module:factory")
+        _positive("rollout.max_turns", self.max_turns)
+        if not 0 < self.turn_discount <= 1:
+            raise ConfigError(f"rollout.turn_discount={self.turn_discount} must be in (0, 1]")
+
 
 @dataclass
 class DataConfig:
@@ -107,6 +161,21 @@ class DataConfig:
     eval_path: Optional[str] = None
     eval_split: str = "test"
     eval_size: int = 64  # N held-out problems scored by greedy pass@1
+
+    def validate(self) -> None:
+        _choice("data.name", self.name, ("synthetic", "gsm8k", "jsonl"))
+        if self.name == "jsonl" and not self.path:
+            raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")
+        rw = self.reward
+        if rw is None and self.name == "jsonl":
+            raise ConfigError("data.name=jsonl needs data.reward (gsm8k, code, synthetic or package.module:function): "
+                              "without it every sample would be scored by the synthetic task's reward")
+        if rw is not None and rw not in REWARDS and (":" not in rw or not all(rw.partition(":")[::2])):
+            raise ConfigError(f"data.reward={rw!r} is not one of {', '.join(REWARDS)} or package.module:function")
+        _positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        _positive("data.eval_size", self.eval_size)
+        if self.synthetic_target is not None and self.synthetic_target < 1:
+            raise ConfigError(f"data.synthetic_target={self.synthetic_target} must be a token id >= 1 (or null)")
 
 
 @dataclass
@@ -131,6 +200,28 @@ class AlgorithmConfig:
     # R3: the trainer's MoE routers replay the experts each token was generated with (routes from the servers,
     # kept across interruptions); implies rollout.return_routed_experts
     routing_replay: bool = False
+
+    def validate(self) -> None:
+        _positive("algorithm.eps_clip", self.eps_clip)
+        if self.eps_clip_high is not None and self.eps_clip_high < self.eps_clip:
+            raise ConfigError(f"algorithm.eps_clip_high={self.eps_clip_high} must be >= algorithm.eps_clip="
+                              f"{self.eps_clip}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ConfigError(f"algorithm.dual_clip={self.dual_clip} must be > 1 (or null to disable)")
+        if self.behav_imp_weight_cap is not None and self.behav_imp_weight_cap <= 1:
+            raise ConfigError(f"algorithm.behav_imp_weight_cap={self.behav_imp_weight_cap} must be > 1 (or null)")
+        _choice("algorithm.prox_logp", self.prox_logp, ("recompute", "loglinear", "linear", "behavior"))
+        _choice("algorithm.adv_norm", self.adv_norm, ("group", "drgrpo", "rloo", "batch", "none"))
+        _choice("algorithm.kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        _choice("algorithm.objective", self.objective, ("token", "gspo"))
+        _choice("algorithm.imp_weight_mode", self.imp_weight_mode, ("cap_mask", "icepop", "seq_mask", "tis"))
+        lo_hi = list(self.imp_weight_bounds)
+        if len(lo_hi) != 2 or not 0 < lo_hi[0] < lo_hi[1]:
+            raise ConfigError(f"algorithm.imp_weight_bounds={lo_hi} must be [low, high] with 0 < low < high")
+        if self.imp_weight_mode == "tis" and self.behav_imp_weight_cap is None:
+            raise ConfigError("algorithm.imp_weight_mode=tis truncates at algorithm.behav_imp_weight_cap: set it "
+                              "(e.g. 5)")
+        _positive("algorithm.kl_coef", self.kl_coef, allow_zero=True)
 
 
 @dataclass
@@ -171,12 +262,50 @@ class TrainerConfig:
     verify_sync_method: str = "auto"
     eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
 
+    def validate(self) -> None:
+        _positive("trainer.eval_interval", self.eval_interval, allow_zero=True)
+        _positive("trainer.total_steps", self.total_steps)
+        _positive("trainer.lr", self.lr)
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"trainer.min_lr={self.min_lr} must be in [0, trainer.lr={self.lr}]")
+        _positive("trainer.weight_decay", self.weight_decay, allow_zero=True)
+        _positive("trainer.warmup_steps", self.warmup_steps, allow_zero=True)
+        if self.warmup_steps >= self.total_steps and self.warmup_steps > 0:
+            raise ConfigError(f"trainer.warmup_steps={self.warmup_steps} must be < trainer.total_steps="
+                              f"{self.total_steps}")
+        _choice("trainer.lr_decay", self.lr_decay, ("constant", "linear", "cosine"))
+        _positive("trainer.grad_clip", self.grad_clip, allow_zero=True)
+        _positive("trainer.max_tokens_per_mb", self.max_tokens_per_mb)
+        _positive("trainer.ppo_n_minibatches", self.ppo_n_minibatches)
+        _positive("trainer.save_interval", self.save_interval, allow_zero=True)
+        _positive("trainer.keep_checkpoints", self.keep_checkpoints)
+        _choice("trainer.resume", str(self.resume), ("never", "auto", "require"))
+        for key in self.resume_override:
+            _choice("trainer.resume_override", key, RESUME_OVERRIDES)
+        _choice("trainer.weight_sync", self.weight_sync, ("distributed", "disk"))
+        _positive("trainer.sync_bucket_bytes", self.sync_bucket_bytes)
+        _choice("trainer.sync_load_format", self.sync_load_format, ("flattened_bucket", "tensor"))
+        _choice("trainer.sync_weight_format", self.sync_weight_format, ("model_dtype", "fp8_block"))
+        if self.sync_weight_format == "fp8_block" and self.verify_sync and self.verify_sync_method == "probe":
+            raise ConfigError("trainer.verify_sync_method=probe compares the servers' logprobs with the trainer's, "
+                              "which FP8 weights change by design (trainer.sync_weight_format=fp8_block): use "
+                              "checksum or auto")
+        if self.sync_backend is not None:
+            _choice("trainer.sync_backend", self.sync_backend, ("gloo", "nccl"))
+        _positive("trainer.sync_timeout", self.sync_timeout)
+        _positive("trainer.keep_weight_versions", self.keep_weight_versions)
+        _positive("trainer.verify_sync_tol", self.verify_sync_tol)
+        _choice("trainer.verify_sync_method", self.verify_sync_method, ("auto", "probe", "checksum"))
+
 
 @dataclass
 class LoggingConfig:
     root_dir: str = "runs"  # run directory = root_dir/experiment_name/trial_name
     tensorboard: bool = True
     level: str = "INFO"
+
+    def validate(self) -> None:
+        _choice("logging.level", self.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
 REWARDS = ("synthetic", "gsm8k", "code")
@@ -199,6 +328,18 @@ class LaunchConfig:
     preempt_signal_s: int = 300  # --signal=B:USR1@<s>: the driver checkpoints and exits this long before the end
     startup_timeout: float = 1800.0  # seconds for the job's servers to answer /health
 
+    def validate(self) -> None:
+        for key in ("nodes", "gpus_per_node"):
+            v = getattr(self, key)
+            if v is not None:
+                _positive(f"launch.{key}", v)
+        _positive("launch.gpu_memory_gib", self.gpu_memory_gib)
+        _positive("launch.preempt_signal_s", self.preempt_signal_s)
+        _positive("launch.startup_timeout", self.startup_timeout)
+        if self.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.time):
+            raise ConfigError(f"launch.time={self.time!r} is not a Slurm time limit (minutes, HH:MM:SS or "
+                              "D-HH:MM:SS)")
+
 
 @dataclass
 class RunConfig:
@@ -218,6 +359,58 @@ class RunConfig:
     @property
     def run_dir(self) -> Path:
         return Path(self.logging.root_dir) / self.experiment_name / self.trial_name
+
+    def allocation(self) -> Allocation:
+        """`parallel.allocation` parsed, once (load_config checked it; every part reads this typed object). Raises
+        AllocationError on a string that does not parse (a config built without load_config)."""
+        cached = self.__dict__.get("_allocation")
+        if cached is None or cached[0] != self.parallel.allocation:  # parsed again only if the string changed
+            cached = (self.parallel.allocation, parse_allocation(self.parallel.allocation))
+            self.__dict__["_allocation"] = cached
+        return cached[1]
+
+    def validate(self) -> None:
+        """Every section checks itself, then what spans two sections; raises ConfigError naming the first bad key."""
+        for name in ("experiment_name", "trial_name"):
+            v = getattr(self, name)
+            if not v or "/" in v or v in (".", ".."):
+                raise ConfigError(f"{name}={v!r} must be a non-empty name without '/'")
+        for section in (self.model, self.parallel, self.inference, self.rollout, self.data, self.algorithm,
+                        self.trainer, self.logging, self.launch):
+            section.validate()
+        r, a, t, inf, alloc = self.rollout, self.algorithm, self.trainer, self.inference, self.allocation()
+        if inf.backend == "sglang" and not inf.addresses and not self.model.path:
+            raise ConfigError("inference.backend=sglang needs inference.addresses or model.path to launch servers")
+        if t.eval_interval and self.data.name != "gsm8k":
+            raise ConfigError(f"trainer.eval_interval={t.eval_interval} needs data.name=gsm8k (the held-out split "
+                              f"and its pass@1); got data.name={self.data.name}. Set trainer.eval_interval=0")
+        if a.adv_norm in ("group", "drgrpo", "rloo") and r.group_size < 2:
+            raise ConfigError(f"algorithm.adv_norm={a.adv_norm} needs rollout.group_size >= 2 (got {r.group_size})")
+        if (a.objective == "gspo" or a.imp_weight_mode == "seq_mask") and alloc.train.cp > 1:
+            key = "objective=gspo" if a.objective == "gspo" else "imp_weight_mode=seq_mask"
+            raise ConfigError(f"algorithm.{key} needs whole sequences on one rank; context parallelism "
+                              f"c{alloc.train.cp} in parallel.allocation splits them (use c1)")
+        if r.workflow == "multi_turn" and inf.backend == "simulated":
+            raise ConfigError("rollout.workflow=multi_turn writes feedback turns with the model card's chat template; "
+                              "inference.backend=simulated has no tokenizer (use embedded or sglang)")
+        if (a.routing_replay or r.return_routed_experts) and inf.backend == "simulated":
+            raise ConfigError("algorithm.routing_replay / rollout.return_routed_experts need servers that return "
+                              "routed experts; inference.backend=simulated has none (use embedded or sglang)")
+        if t.ppo_n_minibatches > r.consumer_batch_size:
+            raise ConfigError(f"trainer.ppo_n_minibatches={t.ppo_n_minibatches} exceeds rollout.consumer_batch_size="
+                              f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group")
+        if inf.backend != "simulated":
+            if alloc.inference is None:
+                raise ConfigError(f"parallel.allocation={self.parallel.allocation!r} has no inference part: name the "
+                                  "servers first, e.g. sglang:d1+megatron:d1")
+            n = alloc.inference.strategy.dp
+            if alloc.trainer is not None and r.consumer_batch_size < alloc.trainer.strategy.dp:
+                raise ConfigError(f"rollout.consumer_batch_size={r.consumer_batch_size} is below the trainer's "
+                                  f"data-parallel size {alloc.trainer.strategy.dp}: every DP rank needs at least one "
+                                  "prompt group")
+            if inf.addresses and len(inf.addresses) != n:
+                raise ConfigError(f"inference.addresses lists {len(inf.addresses)} servers but parallel.allocation's "
+                                  f"inference part {alloc.inference.backend}:d{n} says {n}")
 
 
 def _one_line(err: OmegaConfBaseException) -> str:
@@ -261,7 +454,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         cfg: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as e:
         raise ConfigError(_one_line(e)) from None
-    validate(cfg)
+    cfg.validate()
     return cfg
 
 
@@ -273,184 +466,6 @@ def _choice(key: str, value: str, choices: Sequence[str]) -> None:
 def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key}={value} must be {'>= 0' if allow_zero else '> 0'}")
-
-
-def validate(cfg: RunConfig) -> None:
-    """Cross-field checks; raises ConfigError naming the first bad key."""
-    r, a, t, inf = cfg.rollout, cfg.algorithm, cfg.trainer, cfg.inference
-    _choice("model.dtype", cfg.model.dtype, ("float32", "bfloat16", "float16"))
-    _choice("inference.backend", inf.backend, ("embedded", "sglang", "simulated"))
-    _positive("inference.request_timeout", inf.request_timeout)
-    if inf.api_key is not None:
-        raise ConfigError(f"inference.api_key must not be set: it would be written to the run's config.yaml; export "
-                          f"the key in the environment variable {inf.api_key_env} (inference.api_key_env) instead")
-    if not inf.api_key_env or not inf.api_key_env.replace("_", "").isalnum():
-        raise ConfigError(f"inference.api_key_env={inf.api_key_env!r} must be an environment variable name")
-    _positive("inference.max_retries", inf.max_retries, allow_zero=True)
-    _positive("inference.unhealthy_timeout", inf.unhealthy_timeout)
-    _positive("inference.max_server_restarts", inf.max_server_restarts, allow_zero=True)
-    if r.max_consecutive_failures is not None:
-        _positive("rollout.max_consecutive_failures", r.max_consecutive_failures)
-    if inf.backend == "sglang" and not inf.addresses and not cfg.model.path:
-        raise ConfigError("inference.backend=sglang needs inference.addresses or model.path to launch servers")
-    _positive("rollout.consumer_batch_size", r.consumer_batch_size)
-    _choice("rollout.interrupt", r.interrupt, ("abort", "retract", "in_place", "none"))
-    _positive("rollout.max_staleness", r.max_staleness, allow_zero=True)
-    if r.max_concurrent_rollouts is not None:
-        _positive("rollout.max_concurrent_rollouts", r.max_concurrent_rollouts)
-    _positive("rollout.group_size", r.group_size)
-    _positive("rollout.max_new_tokens", r.max_new_tokens)
-    _positive("rollout.temperature", r.temperature, allow_zero=True)
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
-    if r.top_k != -1 and r.top_k < 1:
-        raise ConfigError(f"rollout.top_k={r.top_k} must be -1 (all tokens) or >= 1")
-    _positive("rollout.reward_timeout", r.reward_timeout)
-    if r.dynamic_filter and r.group_size < 2:
-        raise ConfigError(
-            f"rollout.dynamic_filter=true needs rollout.group_size >= 2 (got {r.group_size}): "
-            "a group of one always has equal rewards; set rollout.dynamic_filter=false"
-        )
-    if r.dynamic_filter_max_drops is not None:
-        _positive("rollout.dynamic_filter_max_drops", r.dynamic_filter_max_drops)
-    _choice("data.name", cfg.data.name, ("synthetic", "gsm8k", "jsonl"))
-    if cfg.data.name == "jsonl" and not cfg.data.path:
-        raise ConfigError("data.name=jsonl needs data.path (a .jsonl or .parquet file)")
-    rw = cfg.data.reward
-    if rw is None and cfg.data.name == "jsonl":
-        raise ConfigError("data.name=jsonl needs data.reward (gsm8k, code, synthetic or package.module:function): "
-                          "without it every sample would be scored by the synthetic task's reward")
-    if rw is not None and rw not in REWARDS and (":" not in rw or not all(rw.partition(":")[::2])):
-        raise ConfigError(f"data.reward={rw!r} is not one of {', '.join(REWARDS)} or package.module:function")
-    _positive("data.max_prompt_tokens", cfg.data.max_prompt_tokens)
-    _positive("data.eval_size", cfg.data.eval_size)
-    _positive("trainer.eval_interval", cfg.trainer.eval_interval, allow_zero=True)
-    if cfg.trainer.eval_interval and cfg.data.name != "gsm8k":
-        raise ConfigError(f"trainer.eval_interval={cfg.trainer.eval_interval} needs data.name=gsm8k (the held-out "
-                          f"split and its pass@1); got data.name={cfg.data.name}. Set trainer.eval_interval=0")
-    _validate_launch(cfg.launch)
-    if cfg.data.synthetic_target is not None and cfg.data.synthetic_target < 1:
-        raise ConfigError(f"data.synthetic_target={cfg.data.synthetic_target} must be a token id >= 1 (or null)")
-    _positive("algorithm.eps_clip", a.eps_clip)
-    if a.eps_clip_high is not None and a.eps_clip_high < a.eps_clip:
-        raise ConfigError(f"algorithm.eps_clip_high={a.eps_clip_high} must be >= algorithm.eps_clip={a.eps_clip}")
-    if a.dual_clip is not None and a.dual_clip <= 1:
-        raise ConfigError(f"algorithm.dual_clip={a.dual_clip} must be > 1 (or null to disable)")
-    if a.behav_imp_weight_cap is not None and a.behav_imp_weight_cap <= 1:
-        raise ConfigError(f"algorithm.behav_imp_weight_cap={a.behav_imp_weight_cap} must be > 1 (or null)")
-    _choice("algorithm.prox_logp", a.prox_logp, ("recompute", "loglinear", "linear", "behavior"))
-    _choice("algorithm.adv_norm", a.adv_norm, ("group", "drgrpo", "rloo", "batch", "none"))
-    if a.adv_norm in ("group", "drgrpo", "rloo") and r.group_size < 2:
-        raise ConfigError(f"algorithm.adv_norm={a.adv_norm} needs rollout.group_size >= 2 (got {r.group_size})")
-    _choice("algorithm.kl_estimator", a.kl_estimator, ("k1", "k2", "k3"))
-    _objective_checks(cfg)
-    if (a.routing_replay or r.return_routed_experts) and inf.backend == "simulated":
-        raise ConfigError("algorithm.routing_replay / rollout.return_routed_experts need servers that return routed "
-                          "experts; inference.backend=simulated has none (use embedded or sglang)")
-    _positive("algorithm.kl_coef", a.kl_coef, allow_zero=True)
-    _positive("trainer.total_steps", t.total_steps)
-    _positive("trainer.lr", t.lr)
-    if t.min_lr < 0 or t.min_lr > t.lr:
-        raise ConfigError(f"trainer.min_lr={t.min_lr} must be in [0, trainer.lr={t.lr}]")
-    _positive("trainer.weight_decay", t.weight_decay, allow_zero=True)
-    _positive("trainer.warmup_steps", t.warmup_steps, allow_zero=True)
-    if t.warmup_steps >= t.total_steps and t.warmup_steps > 0:
-        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be < trainer.total_steps={t.total_steps}")
-    _choice("trainer.lr_decay", t.lr_decay, ("constant", "linear", "cosine"))
-    _positive("trainer.grad_clip", t.grad_clip, allow_zero=True)
-    _positive("trainer.max_tokens_per_mb", t.max_tokens_per_mb)
-    _positive("trainer.ppo_n_minibatches", t.ppo_n_minibatches)
-    if t.ppo_n_minibatches > r.consumer_batch_size:
-        raise ConfigError(
-            f"trainer.ppo_n_minibatches={t.ppo_n_minibatches} exceeds rollout.consumer_batch_size="
-            f"{r.consumer_batch_size}: every mini-batch needs at least one prompt group"
-        )
-    _positive("trainer.save_interval", t.save_interval, allow_zero=True)
-    _positive("trainer.keep_checkpoints", t.keep_checkpoints)
-    _choice("trainer.resume", str(t.resume), ("never", "auto", "require"))
-    for key in t.resume_override:
-        _choice("trainer.resume_override", key, RESUME_OVERRIDES)
-    _choice("trainer.weight_sync", t.weight_sync, ("distributed", "disk"))
-    _positive("trainer.sync_bucket_bytes", t.sync_bucket_bytes)
-    _choice("trainer.sync_load_format", t.sync_load_format, ("flattened_bucket", "tensor"))
-    _choice("trainer.sync_weight_format", t.sync_weight_format, ("model_dtype", "fp8_block"))
-    if t.sync_weight_format == "fp8_block" and t.verify_sync and t.verify_sync_method == "probe":
-        raise ConfigError("trainer.verify_sync_method=probe compares the servers' logprobs with the trainer's, which "
-                          "FP8 weights change by design (trainer.sync_weight_format=fp8_block): use checksum or auto")
-    if t.sync_backend is not None:
-        _choice("trainer.sync_backend", t.sync_backend, ("gloo", "nccl"))
-    _positive("trainer.sync_timeout", t.sync_timeout)
-    _positive("trainer.keep_weight_versions", t.keep_weight_versions)
-    _positive("trainer.verify_sync_tol", t.verify_sync_tol)
-    _choice("trainer.verify_sync_method", t.verify_sync_method, ("auto", "probe", "checksum"))
-    from mega_async.allocation import AllocationError, parse_allocation  # pure Python, no torch
-
-    try:
-        alloc = parse_allocation(cfg.parallel.allocation)
-    except AllocationError as e:
-        why = str(e).removeprefix("AllocationError: ")
-        raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: {why}") from None
-    if inf.backend != "simulated":
-        if alloc.inference is None:
-            raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r} has no inference part: name the "
-                              "servers first, e.g. sglang:d1+megatron:d1")
-        n = alloc.inference.strategy.dp
-        if alloc.trainer is not None and r.consumer_batch_size < alloc.trainer.strategy.dp:
-            raise ConfigError(f"rollout.consumer_batch_size={r.consumer_batch_size} is below the trainer's data-parallel "
-                              f"size {alloc.trainer.strategy.dp}: every DP rank needs at least one prompt group")
-        if inf.addresses and len(inf.addresses) != n:
-            raise ConfigError(f"inference.addresses lists {len(inf.addresses)} servers but parallel.allocation's "
-                              f"inference part {alloc.inference.backend}:d{n} says {n}")
-    _choice("logging.level", cfg.logging.level, ("DEBUG", "INFO", "WARNING", "ERROR"))
-    for name in ("experiment_name", "trial_name"):
-        v = getattr(cfg, name)
-        if not v or "/" in v or v in (".", ".."):
-            raise ConfigError(f"{name}={v!r} must be a non-empty name without '/'")
-
-
-def _objective_checks(cfg: RunConfig) -> None:
-    """algorithm.objective / imp_weight_* and rollout.workflow / max_turns / turn_discount."""
-    a, r = cfg.algorithm, cfg.rollout
-    _choice("algorithm.objective", a.objective, ("token", "gspo"))
-    _choice("algorithm.imp_weight_mode", a.imp_weight_mode, ("cap_mask", "icepop", "seq_mask", "tis"))
-    lo_hi = list(a.imp_weight_bounds)
-    if len(lo_hi) != 2 or not 0 < lo_hi[0] < lo_hi[1]:
-        raise ConfigError(f"algorithm.imp_weight_bounds={lo_hi} must be [low, high] with 0 < low < high")
-    if a.imp_weight_mode == "tis" and a.behav_imp_weight_cap is None:
-        raise ConfigError("algorithm.imp_weight_mode=tis truncates at algorithm.behav_imp_weight_cap: set it (e.g. 5)")
-    if a.objective == "gspo" or a.imp_weight_mode == "seq_mask":
-        from mega_async.allocation import AllocationError, parse_allocation
-
-        try:
-            cp = parse_allocation(cfg.parallel.allocation).train.cp
-        except AllocationError:
-            cp = 1  # reported by the allocation check
-        if cp > 1:
-            key = "objective=gspo" if a.objective == "gspo" else "imp_weight_mode=seq_mask"
-            raise ConfigError(f"algorithm.{key} needs whole sequences on one rank; context parallelism c{cp} in "
-                              "parallel.allocation splits them (use c1)")
-    wf = r.workflow
-    if wf not in ("rlvr", "multi_turn") and not (":" in wf and all(p.isidentifier() for p in
-                                                                     wf.replace(":", ".").split("."))):
-        raise ConfigError(f"rollout.workflow={wf!r} is not rlvr, multi_turn or package.module:factory")
-    if wf == "multi_turn" and cfg.inference.backend == "simulated":
-        raise ConfigError("rollout.workflow=multi_turn writes feedback turns with the model card's chat template; "
-                          "inference.backend=simulated has no tokenizer (use embedded or sglang)")
-    _positive("rollout.max_turns", r.max_turns)
-    if not 0 < r.turn_discount <= 1:
-        raise ConfigError(f"rollout.turn_discount={r.turn_discount} must be in (0, 1]")
-
-
-def _validate_launch(ln: LaunchConfig) -> None:
-    for key in ("nodes", "gpus_per_node"):
-        v = getattr(ln, key)
-        if v is not None:
-            _positive(f"launch.{key}", v)
-    _positive("launch.gpu_memory_gib", ln.gpu_memory_gib)
-    _positive("launch.preempt_signal_s", ln.preempt_signal_s)
-    _positive("launch.startup_timeout", ln.startup_timeout)
-    if ln.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", ln.time):
-        raise ConfigError(f"launch.time={ln.time!r} is not a Slurm time limit (minutes, HH:MM:SS or D-HH:MM:SS)")
 
 
 def to_yaml(cfg: RunConfig) -> str:

@@ -100,7 +100,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
 def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) -> dict[str, Any]:
     """The checkpoint is untrusted: no link or special file in it, its pickled parts read with checkpoint
     classes only, its objects and torch files tensors-only, NaN/inf weights refused (mega_async.safe_load)."""
-    from mega_async.bridge import save_hf_checkpoint
+    from mega_async.trainer.weights import save_hf_checkpoint
     from mega_async.checkpoint_check import check_run_dir, read_json
     from mega_async.safe_load import dist_load
     from mega_async.trainer.model import build_model

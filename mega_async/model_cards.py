@@ -25,6 +25,16 @@ def has_weights(model_dir: str | os.PathLike) -> bool:
     return (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists()
 
 
+def ensure_weights(model_dir: str | os.PathLike, seed: int = 0) -> bool:
+    """A card with a config but no weights gets its deterministic random init (seed) in place, once; returns
+    whether it was written now. Every driver and launcher calls this one (the tiny CPU cards ship configs only)."""
+    if has_weights(model_dir):
+        return False
+    logger.info("%s has no weights yet: writing a deterministic random init (seed %d)", model_dir, seed)
+    init_random_weights(model_dir, seed=seed)
+    return True
+
+
 def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None, seed: int = 0,
                         force: bool = False) -> Path:
     """Write deterministic random-init safetensors for the config in `model_dir` (to `out_dir` or in place).

@@ -9,7 +9,7 @@ the trainer (this process, its trainer ranks, reward workers, the rollout execut
 pinned before anything starts; a watcher thread pins every thread of each server process the run launches
 (`mega_async.inference.server` or `sglang`) as soon as it appears, then keeps re-pinning new threads. Thread
 counts follow: the run sizes its pools from os.cpu_count() (the trainer runs cores / (2 x ranks) torch threads
-per rank, each server cores / 2 / servers: mega_async.loop, mega_async.inference.service), and in this process
+per rank, each server cores / 2 / servers: mega_async.run.loop, mega_async.inference.service), and in this process
 os.cpu_count() answers the number of CPUs split, so each pool is the size of its half. Trainer ranks that a
 multi-rank run starts as new processes see the machine's count instead: pin one-rank runs, or all CPUs.
 """

@@ -210,7 +210,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
 
     from mega_async.allocation import parse_allocation
     from mega_async.data.addition import addition_items, char_ids, sft_example, write_jsonl
-    from mega_async.metrics import Metrics
+    from mega_async.run.metrics import Metrics
     from mega_async.model_cards import has_weights, init_random_weights
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
     from mega_async.trainer.parallel import destroy_parallel_state, init_distributed

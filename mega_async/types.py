@@ -1,10 +1,11 @@
-"""Request/response types shared by the rollout layer and inference clients, plus batch helpers."""
+"""Request/response types shared by the rollout layer and inference clients, the inference engine protocol the
+client and the simulator implement, the run's weight version and its read-only view, plus batch helpers."""
 from __future__ import annotations
 
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Awaitable, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -15,8 +16,9 @@ class FatalEngineError(RuntimeError):
 
 
 class WeightVersion:
-    """The weight version of a run. One owner bumps it (the weight sync, or a standalone driver); the
-    staleness manager, the client and the trainer read the same object, so they can never disagree."""
+    """The weight version of a run. One owner writes it (the weight sync: it creates the version, restores it from a
+    checkpoint and bumps it after each push; or a driver without a sync); everyone else holds its `view()`, so the
+    staleness manager, the client and the trainer read the same number and cannot set it."""
 
     def __init__(self, value: int = 0):
         self._value = int(value)
@@ -32,8 +34,66 @@ class WeightVersion:
                 raise ValueError(f"version may only grow: {self._value} -> {v}")
             self._value = int(v)
 
+    def view(self) -> "VersionView":
+        return VersionView(self)
+
     def __repr__(self) -> str:
         return f"WeightVersion({self._value})"
+
+
+class VersionView:
+    """A read-only window on a WeightVersion (no `set`): what every reader of the run's version holds."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self, of: WeightVersion):
+        self._of = of
+
+    @property
+    def value(self) -> int:
+        return self._of.value
+
+    def __repr__(self) -> str:
+        return f"VersionView({self._of.value})"
+
+
+Version = Union[WeightVersion, VersionView]
+
+
+def writable(version: Optional[Version], who: str) -> WeightVersion:
+    """`version` when its holder may write it (a WeightVersion, or a new one when None); a VersionView raises: the
+    weight sync owns that version."""
+    if version is None:
+        return WeightVersion()
+    if isinstance(version, VersionView):
+        raise RuntimeError(f"{who}: the weight version is owned by the run's weight sync (this holds a read-only "
+                           "view); only a driver without a sync sets it")
+    return version
+
+
+@runtime_checkable
+class InferenceEngine(Protocol):
+    """What the rollout layer and the weight sync call on the inference side: SGLangClient (HTTP to SGLang or the
+    embedded server) and SimulatedEngine implement it. Control calls may return an awaitable (the client) or
+    nothing (the simulator)."""
+
+    version: Any  # int: the run's weight version, read through a VersionView
+    addresses: list  # the servers' addresses (none in process)
+
+    async def agenerate(self, req: "ModelRequest") -> "ModelResponse": ...
+    def pause(self) -> None: ...  # hold interrupted requests instead of resubmitting them
+    def resume(self) -> None: ...
+    def settle(self, timeout: float) -> int: ...  # wait for aborted outputs; returns requests still out
+    def pause_generation(self, mode: str = "abort", timeout: Optional[float] = None) -> Optional[Awaitable]: ...
+    def continue_generation(self) -> Optional[Awaitable]: ...
+    def wait_idle(self, timeout: float) -> Awaitable: ...
+    def update_weights_from_disk(self, path: str, version: Any, **kw: Any) -> Optional[Awaitable]: ...
+    def sync_targets(self) -> list: ...  # the servers a weight sync sends to (objects with .address)
+    def probe_down(self) -> Awaitable: ...
+    def find_behind(self, timeout: float = 10.0) -> Awaitable: ...
+    def synced(self, version: Any) -> None: ...  # the servers committed this version
+    def rollback_weights(self) -> Awaitable: ...
+    def learn_releases(self, timeout: Optional[float] = None) -> Awaitable: ...  # which SGLang each server runs
 
 
 @dataclass

@@ -6,7 +6,7 @@ and writes the table (markdown), the raw per-run figures (JSON) and the plot (PN
     python tools/bench_async.py --seeds 1,2,3 --out benchmarks/async
     python tools/bench_async.py --from-results benchmarks/async/runs.json   # table + plot again, no runs
 
-Figures per run (mega_async.report.summarize): wall clock to the same number of consumed groups
+Figures per run (mega_async.run.report.summarize): wall clock to the same number of consumed groups
 (trainer.total_steps x B), time to reward 0.8, final reward (mean of the last 3 steps), realized staleness.
 Per variant: median and spread (min..max) over seeds; speed-up = sync's median over the variant's median.
 """
@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mega_async.report import read_metrics, summarize  # noqa: E402
+from mega_async.run.report import read_metrics, summarize  # noqa: E402
 
 DEFAULT_VARIANTS = "sync:0,eta1:1,eta2:2,eta4:4,eta8:8,eta2-ppo:2:behavior,eta8-ppo:8:behavior"
 FIGURES = ("wall_s", "time_to_reward_s", "reward_final", "token_staleness_mean", "staleness_mean",

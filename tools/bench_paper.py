@@ -113,9 +113,45 @@ def time_to_target(c: Sequence[Sequence[float]], target: float, window: int = 3)
     return None
 
 
+DIAG = {"train/staleness": "trained tokens' staleness", "train/behav_imp_weight_mean": "behaviour weight mean",
+        "train/imp_weight_capped_frac": "tokens masked by the behaviour cap", "train/clip_frac": "clipped fraction",
+        "train/approx_kl": "approx KL(prox or behav, new)"}
+
+
+def diagnostics(history: Sequence[dict]) -> dict[str, float]:
+    """What the objective saw over a run (means over steps): how stale the trained tokens were, the decoupled
+    objective's behaviour weights pi_prox / pi_behav and how many the cap masked, the clipped fraction, the KL
+    between the clip's centre (prox, or behaviour for naive PPO) and the updated policy."""
+    out = {}
+    for k in DIAG:
+        vals = [float(h[k]) for h in history if isinstance(h.get(k), (int, float))]
+        if vals:
+            out[k] = statistics.fmean(vals)
+    return out
+
+
+def backfill_diagnostics(out: Path, runs_dir: Path) -> int:
+    """Raw results without diagnostics get them from their run's metrics.jsonl when it is still there; returns
+    how many were filled."""
+    from mega_async.run.report import read_metrics
+
+    n = 0
+    for p in sorted((out / "raw").glob("*.json")):
+        r = json.loads(p.read_text())
+        run_dir = runs_dir / "bench_paper" / p.stem
+        if r.get("diag") or not (run_dir / "metrics.jsonl").is_file():
+            continue
+        r["diag"] = diagnostics(read_metrics(run_dir))
+        tmp = p.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(r) + "\n")
+        tmp.replace(p)
+        n += 1
+    return n
+
+
 def run_figures(history: Sequence[dict], target: float) -> dict[str, Any]:
-    """The figures of one run from its metrics (mega_async.report.summarize plus the paper's)."""
-    from mega_async.report import summarize
+    """The figures of one run from its metrics (mega_async.run.report.summarize plus the paper's)."""
+    from mega_async.run.report import summarize
 
     s = summarize(history, reward_threshold=target, tail=TAIL)
     c = curve(history)
@@ -124,13 +160,13 @@ def run_figures(history: Sequence[dict], target: float) -> dict[str, Any]:
             "gen_tokens_per_s": s["gen_tokens_per_s"], "gen_groups_per_s": s["gen_groups_per_s"],
             "trained_tokens_per_s": c[-1][3] / wall if wall else None,  # the paper's effective training throughput
             "staleness_mean": s["staleness_mean"], "token_staleness_mean": s["token_staleness_mean"],
-            "sync_s": s["sync_s"], "split": s.get("split"), "curve": c}
+            "sync_s": s["sync_s"], "split": s.get("split"), "diag": diagnostics(history), "curve": c}
 
 
 def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[str, Any]:
     """One `mega-async train` in a subprocess (pinned through mega_async.pinning when the variant says so),
     then the final weights scored on the held-out split."""
-    from mega_async.report import read_metrics
+    from mega_async.run.report import read_metrics
 
     runs_dir = Path(a.runs_dir).resolve()
     trial = f"{v['name']}_s{seed}"
@@ -293,6 +329,19 @@ def table2(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+def diagnostics_table(runs: list[dict]) -> str:
+    """Markdown: per variant the mean over seeds (those whose runs recorded them) of each diagnostic."""
+    order = {v["name"]: i for i, v in enumerate(all_variants())}
+    names = sorted({r["name"] for r in runs if r.get("diag")}, key=lambda n: (order.get(n, len(order)), n))
+    head = ["variant", "seeds"] + list(DIAG.values())
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        rs = [r for r in runs if r["name"] == name and r.get("diag")]
+        cells = [_ci(t_interval([r["diag"].get(k) for r in rs]), "{:.4g}") for k in DIAG]
+        lines.append("| " + " | ".join([name, str(len(rs))] + cells) + " |")
+    return "\n".join(lines)
+
+
 # ---- figures ------------------------------------------------------------------------------------------
 def _mean_curve(rs: list[dict], col: int) -> tuple[list[float], list[float], list[float]]:
     """x = step (col 0) or wall clock (col 1); the reward of the last TAIL steps (window_reward), mean over seeds
@@ -324,7 +373,7 @@ def plot_curves(runs: list[dict], objective: str, out: Path, title: str) -> Path
     pick_ = [r for r in runs if r["pin"] and r["interrupt"] == "abort" and (r["eta"] == 0 or r["objective"] == objective)]
     for eta in sorted({r["eta"] for r in pick_}):
         rs = [r for r in pick_ if r["eta"] == eta]
-        label = f"sync (eta 0)" if eta == 0 else f"eta {eta}"
+        label = "sync (eta 0)" if eta == 0 else f"eta {eta}"
         for ax, col in ((a, 0), (b, 1)):
             xs, m, h = _mean_curve(rs, col)
             line, = ax.plot(xs, m, lw=1.5, label=f"{label} ({len(rs)} seeds)")
@@ -400,6 +449,10 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
             + (f"SFT start: held-out exact match greedy {sft['greedy']:.3f}, sampled (t=1) {sft['sampled_t1']:.3f} "
                f"over {sft['problems']} problems.\n\n" if sft else ""))
     (out / "table2.md").write_text(f"{head}{text}\n\n{json.dumps({k: v for k, v in meta.items() if k != 'sft_eval'})}\n")
+    if any(r.get("diag") for r in runs):
+        (out / "diagnostics.md").write_text(
+            "What the objective saw (means over steps, then mean ± 95% interval over seeds); "
+            "bench_paper.diagnostics.\n\n" + diagnostics_table(runs) + "\n")
     plot_curves(runs, "ppo", out / "fig5a.png", "naive PPO")
     plot_curves(runs, "dec", out / "fig5b.png", "decoupled PPO")
     plot_throughput(rows, out / "fig5c.png")
@@ -420,11 +473,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--out", default="benchmarks/paper")
     ap.add_argument("--runs-dir", default="runs/bench_paper_runs")
     ap.add_argument("--from-results", default=None, help="an output directory or runs.json: redraw, run nothing")
+    ap.add_argument("--diagnose", action="store_true", help="with --from-results DIR: add the objective's diagnostics "
+                                                            "to raw results from their runs under --runs-dir first")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for one run")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     a = ap.parse_args(argv)
     out = Path(a.out)
     if a.from_results:
+        if a.diagnose:
+            print(f"diagnostics added to {backfill_diagnostics(Path(a.from_results), Path(a.runs_dir))} results")
         runs, meta = load_results(Path(a.from_results))
         if not runs:
             raise SystemExit(f"bench_paper: no results in {a.from_results}")

@@ -12,7 +12,7 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -190,19 +190,3 @@ def bridge_for(models: Sequence[torch.nn.Module]) -> HFBridge:
 def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike, progress: bool = False) -> int:
     """Load an HF safetensors directory into models built by `build_model` (any layout)."""
     return bridge_for(models).load(models, hf_dir, progress=progress)
-
-
-def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full HF-named tensors from any layout; every rank iterates and gets every tensor (the gathering
-    is the resharder's, `mega_async.trainer.weights`)."""
-    from mega_async.trainer.weights import export_hf_weights as export
-
-    return export(models)
-
-
-def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
-                       max_shard_bytes: int = 2 << 30, progress: bool = False) -> dict[str, int]:
-    """HF safetensors + config + tokenizer at `out_dir`, atomically (see `mega_async.trainer.weights`)."""
-    from mega_async.trainer.weights import save_hf_checkpoint as save
-
-    return save(models, out_dir, src_dir=src_dir, max_shard_bytes=max_shard_bytes, progress=progress)

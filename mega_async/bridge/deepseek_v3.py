@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mega_async.bridge.families import SigmoidRouted, UnsupportedModelError, _config_file, _rope
+from mega_async.bridge.family import SigmoidRouted, UnsupportedModelError, _config_file, _rope
 
 
 class DeepseekV3(SigmoidRouted):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mega_async.bridge.families import SigmoidRouted, _rope
+from mega_async.bridge.family import SigmoidRouted, _rope
 
 
 class Glm4Moe(SigmoidRouted):

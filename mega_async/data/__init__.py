@@ -60,13 +60,6 @@ def check_items(rows: list[dict[str, Any]], where: str, vocab_size: int) -> list
     return rows
 
 
-def gsm8k_items(path: str | Path, split: str = "train", chat: bool = False) -> list[dict[str, Any]]:
-    """GSM8K rows ({question, answer}) as items with a prompt; `path` is a file or a directory with <split>.jsonl."""
-    from mega_async.data.gsm8k import load_gsm8k
-
-    return load_gsm8k(str(path), split, chat=chat).train
-
-
 def synthetic_items(n: int, vocab_size: int, prompt_len: int = 8, seed: int = 0,
                     target: int | None = None) -> list[dict[str, Any]]:
     """Random prompts; the task is to emit `target` (see reward.synthetic.target_token_reward): one fixed

@@ -97,3 +97,8 @@ def load_gsm8k(path: Optional[str], split: str = "train", *, eval_path: Optional
             logger.info("held out the last %d of %d rows of %s for evaluation", eval_size, len(rows) + eval_size, source)
         held = held[:eval_size]
     return GSM8KSplits([to_item(r, chat) for r in rows], [to_item(r, chat) for r in held], source)
+
+
+def gsm8k_items(path: str | Path, split: str = "train", chat: bool = False) -> list[dict[str, Any]]:
+    """GSM8K rows ({question, answer}) as items with a prompt; `path` is a file or a directory with <split>.jsonl."""
+    return load_gsm8k(str(path), split, chat=chat).train

@@ -43,7 +43,7 @@ except ImportError:  # pragma: no cover - optional
 
 from mega_async.events import NullEventLog
 from mega_async.inference.sglang_releases import BEGIN_TWICE, Release, untested_reason
-from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, WeightVersion
+from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, Version, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
 
@@ -201,7 +201,7 @@ class SGLangClient:
         health_check_interval: float = 1.0,
         unhealthy_timeout: float = 30.0,
         max_resubmits: int = 1000,
-        version: Optional[WeightVersion] = None,
+        version: Optional[Version] = None,
         events: Any = None,
     ):
         if not addresses:
@@ -705,10 +705,6 @@ class SGLangClient:
     def version(self) -> int:
         return self._version.value
 
-    def set_version(self, v: int) -> None:
-        """For callers without a weight sync (which sets the shared `WeightVersion` itself)."""
-        self._version.set(v)
-
     # ---- control, to all servers concurrently -----------------------------------------------
     async def _post_all(self, path: str, body: dict, *, check: bool = True, only_healthy: bool = False,
                         bodies: Optional[list[dict]] = None, timeout: Optional[float] = None,
@@ -955,20 +951,3 @@ class SGLangClient:
 
         targets = self._named(addresses) if addresses is not None else self.servers
         return list(await asyncio.gather(*(one(s) for s in targets)))
-
-    async def update_weights(self, load: Any, version: int) -> None:
-        """The weight step: client pause -> /pause_generation -> load() -> version -> continue -> resume.
-
-        `load` is an async callable that pushes the weights. Generation is continued and the
-        client resumed whatever happens, so no server is left paused.
-        """
-        self.pause()
-        try:
-            await self.pause_generation()
-            try:
-                await load()
-                self.set_version(version)
-            finally:
-                await self.continue_generation()
-        finally:
-            self.resume()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import free_port  # noqa: F401  (re-exported: older imports use this module)
+from mega_async.comm import free_port
 
 logger = logging.getLogger("mega_async.inference.launch")
 

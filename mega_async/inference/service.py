@@ -12,16 +12,15 @@ import threading
 import time
 from typing import Any, Optional
 
-from mega_async.allocation import parse_allocation
 from mega_async.config import ConfigError, RunConfig, api_key
-from mega_async.types import WeightVersion
+from mega_async.types import Version
 
 logger = logging.getLogger("mega_async.inference.service")
 
 
 def server_layout(cfg: RunConfig) -> tuple[int, int, int]:
     """(servers, tp per server, ep per server) from the allocation's inference part."""
-    part = parse_allocation(cfg.parallel.allocation).inference
+    part = cfg.allocation().inference
     if part is None:
         raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r} has no inference part: "
                           "prefix it with the servers, e.g. sglang:d1+megatron:d1")
@@ -79,7 +78,7 @@ def _first_free_gpu(cfg: RunConfig) -> Optional[int]:
     if not torch.cuda.is_available():
         return None
     local = os.environ.get("LOCAL_WORLD_SIZE")
-    return int(local) if local else parse_allocation(cfg.parallel.allocation).train.world_size
+    return int(local) if local else cfg.allocation().train.world_size
 
 
 
@@ -94,7 +93,7 @@ def _extra_args(cfg: Any) -> list[str]:
 class InferenceService:
     """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
 
-    def __init__(self, cfg: RunConfig, version: Optional[WeightVersion] = None, weights_root: Any = None,
+    def __init__(self, cfg: RunConfig, version: Optional[Version] = None, weights_root: Any = None,
                  cpu_share: float = 1.0, events: Any = None):
         self.cfg = cfg
         self.launcher: Any = None
@@ -105,14 +104,15 @@ class InferenceService:
         if inf.backend == "simulated":
             from mega_async.inference.simulated import SimulatedEngine
 
-            self.engine: Any = SimulatedEngine(vocab_size=self.vocab_size, token_latency=(0.0, 0.002), seed=cfg.seed)
+            self.engine: Any = SimulatedEngine(vocab_size=self.vocab_size, token_latency=(0.0, 0.002), seed=cfg.seed,
+                                               version=version)
             self.gpus_per_server = 1
             return
         from transformers import AutoConfig, AutoTokenizer
 
         from mega_async.inference.client import SGLangClient
         from mega_async.inference.launch import ServerLauncher, ServerSpec
-        from mega_async.model_cards import has_weights, init_random_weights
+        from mega_async.model_cards import ensure_weights
 
         n, tp, ep = server_layout(cfg)
         if inf.backend == "embedded" and (tp > 1 or ep > 1):
@@ -120,9 +120,8 @@ class InferenceService:
                               f"(t1, e1); got t{tp} e{ep}. Use inference.backend=sglang for tensor/expert-parallel servers")
         self.gpus_per_server = tp
         model = cfg.model.path
-        if inf.backend == "embedded" and not has_weights(model):
-            logger.info("%s has no weights yet: writing a deterministic random init (seed %d)", model, cfg.seed)
-            init_random_weights(model, seed=cfg.seed)
+        if inf.backend == "embedded":
+            ensure_weights(model, seed=cfg.seed)
         self.vocab_size = AutoConfig.from_pretrained(model).vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         addresses = list(inf.addresses)

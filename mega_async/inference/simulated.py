@@ -13,7 +13,9 @@ import random
 import threading
 import time
 
-from mega_async.types import ModelRequest, ModelResponse
+from typing import Any, Optional
+
+from mega_async.types import ModelRequest, ModelResponse, Version, WeightVersion
 
 INTERRUPT_MODES = ("abort", "retract", "in_place")  # SGLang's /pause_generation modes
 
@@ -26,6 +28,7 @@ class SimulatedEngine:
         chunk_tokens: int = 8,
         token_latency: tuple[float, float] = (0.0, 0.0),  # seconds per token, uniform in [lo, hi]
         seed: int = 0,
+        version: Optional[Version] = None,  # the run's (read); a standalone simulator has its own at 0
     ):
         if min_new_tokens < 1 or chunk_tokens < 1 or token_latency[0] < 0 or token_latency[1] < token_latency[0]:
             raise ValueError("SimulatedEngine needs min_new_tokens >= 1, chunk_tokens >= 1, 0 <= lo <= hi latency")
@@ -37,7 +40,7 @@ class SimulatedEngine:
         self._running = threading.Event()
         self._running.set()
         self._pause_epoch = 0
-        self._version = 0
+        self._version = version if version is not None else WeightVersion()
         self.interruptions = 0
         self.in_flight = 0
 
@@ -62,12 +65,45 @@ class SimulatedEngine:
     def continue_generation(self) -> None:
         self._running.set()
 
-    def set_version(self, version: int) -> None:
-        self._version = version
-
     @property
     def version(self) -> int:
-        return self._version
+        return self._version.value
+
+    # the rest of the InferenceEngine protocol: one in-process "server" that is always up and serves the run's
+    # version (it reads the shared version, so a weight sync has nothing to send it)
+    def pause(self) -> None:
+        """Requests wait in agenerate while paused: nothing to hold on this side."""
+
+    def resume(self) -> None:
+        pass
+
+    def settle(self, timeout: float) -> int:
+        return 0
+
+    def update_weights_from_disk(self, path: str, version: Any, **_: Any) -> None:
+        """No model to load: the tokens generated after continue carry the version the sync set."""
+
+    @property
+    def addresses(self) -> list[str]:
+        return []
+
+    def sync_targets(self) -> list:
+        return []
+
+    async def learn_releases(self, timeout: Optional[float] = None) -> list:
+        return []
+
+    async def probe_down(self) -> None:
+        pass
+
+    async def find_behind(self, timeout: float = 10.0) -> list[str]:
+        return []
+
+    def synced(self, version: Any) -> None:
+        pass
+
+    async def rollback_weights(self) -> list:
+        return []
 
     # ---- generation --------------------------------------------------------------------------
     async def _wait_running(self) -> None:
@@ -86,7 +122,7 @@ class SimulatedEngine:
         try:
             while len(resp.output_tokens) < target:
                 await self._wait_running()
-                epoch, version = self._pause_epoch, self._version
+                epoch, version = self._pause_epoch, self._version.value
                 k = min(self.chunk_tokens, target - len(resp.output_tokens))
                 await asyncio.sleep(rng.uniform(lo, hi) * k if hi > 0 else 0)
                 if epoch != self._pause_epoch:  # aborted mid-chunk: keep what was produced so far

@@ -36,7 +36,7 @@ from mega_async.rollout.ledger import Ledger
 from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import RolloutWorkflow
-from mega_async.types import FatalEngineError, WeightVersion
+from mega_async.types import FatalEngineError, Version
 
 logger = logging.getLogger("mega_async.rollout.executor")
 
@@ -71,7 +71,7 @@ class WorkflowExecutor:
         max_concurrent_rollouts: int | None = None,
         should_accept: AcceptFn | None = None,
         poll_interval: float = 0.5,
-        version: WeightVersion | None = None,
+        version: Version | None = None,
         max_consecutive_failures: int | None = 32,
         ledger: Ledger | None = None,
         events: Any = None,
@@ -114,7 +114,7 @@ class WorkflowExecutor:
 
     @classmethod
     def from_config(cls, rollout_cfg: Any, engine: Any, workflow: RolloutWorkflow | None = None,
-                    should_accept: AcceptFn | None = None, version: WeightVersion | None = None,
+                    should_accept: AcceptFn | None = None, version: Version | None = None,
                     ledger: Ledger | None = None, events: Any = None) -> "WorkflowExecutor":
         return cls(
             engine,

@@ -9,7 +9,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from mega_async.types import WeightVersion
+from mega_async.types import Version, WeightVersion, writable
 
 
 @dataclass
@@ -25,7 +25,7 @@ class StalenessManager:
     """Thread-safe bookkeeping of the capacity rule. B = `consumer_batch_size` (groups per step)."""
 
     def __init__(self, max_concurrent_rollouts: int, consumer_batch_size: int, max_staleness: int,
-                 version: Optional[WeightVersion] = None):
+                 version: Optional[Version] = None):
         if max_concurrent_rollouts < 1 or consumer_batch_size < 1 or max_staleness < 0:
             raise ValueError(
                 f"StalenessManager needs max_concurrent_rollouts >= 1, consumer_batch_size >= 1, max_staleness >= 0; "
@@ -43,8 +43,8 @@ class StalenessManager:
         return self._version.value
 
     def set_version(self, v: int) -> None:
-        """For drivers without a weight sync: the sync sets the shared `WeightVersion` itself."""
-        self._version.set(v)
+        """For drivers without a weight sync (a run's sync writes the version this manager reads)."""
+        writable(self._version, "StalenessManager.set_version").set(v)
 
     def on_version_recovered(self, v: int) -> None:
         """After resuming from a checkpoint at version v, v*B groups were already consumed.
@@ -52,7 +52,8 @@ class StalenessManager:
         Without this, accepted restarts at 0 and capacity balloons to (eta + v + 1) * B.
         """
         with self._lock:
-            self._version.set(v)
+            if self._version.value != v:  # a run's sync restored the version itself already
+                writable(self._version, "StalenessManager.on_version_recovered").set(v)
             self._stat.accepted = v * self.consumer_batch_size
 
     @property

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty, sft_loss
 from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
 from mega_async.trainer.routing import RouteReplay
+from mega_async.types import Version, WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.engine")
 
@@ -95,7 +96,8 @@ class MicroBatch:
 
 
 class MegatronTrainEngine:
-    def __init__(self, hf_dir: str, allocation: Any, cfg: EngineConfig, dtype: Optional[torch.dtype] = None):
+    def __init__(self, hf_dir: str, allocation: Any, cfg: EngineConfig, dtype: Optional[torch.dtype] = None,
+                 version: Optional[Version] = None):
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -144,7 +146,7 @@ class MegatronTrainEngine:
             raise ValueError(f"label_smoothing={cfg.label_smoothing} applies to loss=sft at tensor parallel size 1 "
                              f"(got loss={cfg.loss}, tp={self.tp})")
         self.cp = mpu.get_context_parallel_world_size()
-        self.version = 0
+        self._version = version if version is not None else WeightVersion()  # read; a run's sync writes it
         self._stats: dict[str, torch.Tensor] = {}
         self._measure = False  # the first mini-batch's forward (pre-update weights) measures train/rollout mismatch
         self._lp_mismatch_max = 0.0
@@ -469,11 +471,13 @@ class MegatronTrainEngine:
                 self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
         return loss, n.to(torch.int), {}
 
-    def set_version(self, v: int) -> None:
-        self.version = v
+    @property
+    def version(self) -> int:
+        """The weight version the next update trains from (tokens of this version are on-policy)."""
+        return self._version.value
 
     def export_hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from mega_async.bridge import export_hf_weights
+        from mega_async.trainer.weights import export_hf_weights
 
         return export_hf_weights(self.models)
 
@@ -497,3 +501,13 @@ def _seq_ids(mb: MicroBatch, c: EngineConfig, dev: torch.device) -> Optional[tor
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # model.dtype
+
+
+def build_engine(cfg: Any, layout: Any, version: Any = None) -> MegatronTrainEngine:
+    """A run's trainer engine from its config (model.path and model.dtype, the trainer and algorithm sections) on
+    the allocation's training layout; `version`: the sync's read-only view of the run's weight version."""
+    return MegatronTrainEngine(cfg.model.path, layout, EngineConfig.from_run_config(cfg), dtype=DTYPES[cfg.model.dtype],
+                               version=version)

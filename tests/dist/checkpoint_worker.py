@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from mega_async.checkpoint import load_checkpoint, save_checkpoint
 from mega_async.packing import redistribute_groups
+from mega_async.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
 from tests.dist.engine_worker import GROUP, synthetic_batch
@@ -36,8 +37,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = EngineConfig(lr=0.05, adam_eps=1e-3, grad_clip=0.0, warmup_steps=2, total_steps=10, lr_decay="cosine",
                        prox_logp="recompute")
-    eng = MegatronTrainEngine(args.model, args.layout, cfg)
-    eng.set_version(1)
+    eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(1))
     if args.mode == "save":
         torch.manual_seed(123 + dist.get_rank())
         random.seed(5)

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_worker import GROUP, synthetic_batch  # noqa: E402
 
 from mega_async.packing import redistribute_groups  # noqa: E402
+from mega_async.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa: E402
 from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
 
@@ -49,8 +50,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", behav_imp_weight_cap=5.0)
-    eng = MegatronTrainEngine(args.model, args.layout, cfg)
-    eng.set_version(2)
+    eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(2))
     batch = synthetic_batch()
     logits = full_logits(eng, batch)
     logprobs = eng.compute_logprobs(batch)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from mega_async.algo.loss import kl_penalty
 from mega_async.packing import redistribute_groups
+from mega_async.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
 
@@ -60,8 +61,7 @@ def main() -> None:
     cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=args.max_tokens_per_mb,
                        prox_logp=args.prox, behav_imp_weight_cap=5.0, eps_clip=0.2, kl_coef=args.kl_coef,
                        kl_estimator=args.kl_estimator)
-    eng = MegatronTrainEngine(args.model, args.layout, cfg)
-    eng.set_version(2)
+    eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(2))
     batch = synthetic_batch()
     n_groups = batch["input_ids"].shape[0] // GROUP
     tokens = [int(batch["attention_mask"][g * GROUP:(g + 1) * GROUP].sum()) for g in range(n_groups)]

@@ -7,6 +7,7 @@ import os
 import torch
 
 from mega_async.algo.loss import decoupled_ppo_loss
+from mega_async.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
 from tests.dist.engine_worker import synthetic_batch
@@ -25,8 +26,7 @@ def main() -> None:
               eps_clip=0.2)
     cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=a.max_tokens_per_mb, prox_logp=a.prox,
                        **kw)
-    eng = MegatronTrainEngine(a.model, "megatron:d1", cfg)
-    eng.set_version(2)
+    eng = MegatronTrainEngine(a.model, "megatron:d1", cfg, version=WeightVersion(2))
     batch = synthetic_batch()
     batch["advantages"] = torch.randn(batch["input_ids"].shape[0], generator=torch.Generator().manual_seed(1))
     # the same objective outside the engine, on [n, L] rows (position t predicts token t + 1)

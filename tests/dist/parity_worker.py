@@ -10,7 +10,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from mega_async.bridge import export_hf_weights
+from mega_async.trainer.weights import export_hf_weights
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_worker import GROUP, synthetic_batch  # noqa: E402
 
 from mega_async.packing import redistribute_groups  # noqa: E402
+from mega_async.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa: E402
 from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
 
@@ -74,8 +75,7 @@ def main() -> None:
     from safetensors.torch import save_file
 
     cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", routing_replay=False)
-    eng = MegatronTrainEngine(args.model, args.layout, cfg)
-    eng.set_version(VERSION)
+    eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(VERSION))
     batch = synthetic_batch()
     batch["versions"][batch["loss_mask"].bool()] = VERSION  # every output token from the current weights
     (same, hf_lp), (foreign, _) = hf_routes(args.model, batch), hf_routes(args.model, batch, perturb=0.5)

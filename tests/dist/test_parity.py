@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.inference.launch import free_port
+from mega_async.comm import free_port
 from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
 
 WORKER = Path(__file__).with_name("parity_worker.py")

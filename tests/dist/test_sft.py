@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.inference.launch import free_port
+from mega_async.comm import free_port
 from mega_async.model_cards import init_random_weights
 
 HERE = Path(__file__).parent

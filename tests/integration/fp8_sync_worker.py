@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from mega_async.bridge import export_hf_weights, fp8
+from mega_async.bridge import fp8
+from mega_async.trainer.weights import export_hf_weights
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.launch import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model

@@ -10,6 +10,8 @@ from transformers import AutoTokenizer
 from mega_async.inference.client import SGLangClient
 from mega_async.rollout.agent import AgentWorkflow
 from mega_async.rollout.workflow import MultiTurnWorkflow
+from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.types import WeightVersion
 
 from .conftest import post, ref_logprobs, run
 
@@ -39,7 +41,9 @@ def test_multi_turn_against_the_server(server, hf_models):
 
 def test_agent_against_the_server_through_a_weight_update(server, hf_models, weights_root):
     tok = AutoTokenizer.from_pretrained(CARD)
-    client = SGLangClient(server.addresses)
+    version = WeightVersion()
+    client = SGLangClient(server.addresses, version=version.view())
+    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"))
     started = asyncio.Event()
 
     async def agent(oai: openai.AsyncOpenAI, data):
@@ -57,10 +61,10 @@ def test_agent_against_the_server_through_a_weight_update(server, hf_models, wei
         await started.wait()
         await asyncio.sleep(0.5)
 
-        async def load():
-            await client.update_weights_from_disk(str(weights_root / "v1"), 1)
-
-        await client.update_weights(load, version=1)
+        try:  # the sync's pause bracket around loading v1 (version 1)
+            await asyncio.to_thread(sync.push)
+        finally:
+            sync.close()
         return await task
 
     try:

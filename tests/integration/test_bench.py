@@ -51,7 +51,7 @@ def test_train_console_is_quiet_and_the_report_is_written(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     console = r.stdout + r.stderr
     assert "Params for bucket" not in console and "UserWarning" not in console
-    assert "mega_async.loop: step 2:" in console
+    assert "mega_async.run.loop: step 2:" in console
     run = tmp_path / "tiny_cpu" / "run0"
     log = (run / "train.log").read_text()
     assert "Params for bucket" in log and "UserWarning" in log and "step 2:" in log

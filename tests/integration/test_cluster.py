@@ -9,7 +9,8 @@ from mega_async.inference.client import NoHealthyServerError, SGLangClient
 from mega_async.inference.launch import ServerLauncher, ServerSpec, server_command
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
-from mega_async.types import ModelRequest
+from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.types import ModelRequest, WeightVersion
 
 from .conftest import get, post, run
 
@@ -105,7 +106,8 @@ def test_rollout_core_against_embedded_servers(weights_root, tmp_path):
     spec = ServerSpec("embedded", str(weights_root / "v0"), num_servers=2, weights_root=str(weights_root))
     tok = AutoTokenizer.from_pretrained(weights_root / "v0")
     with ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120) as launcher:
-        client = SGLangClient(launcher.addresses)
+        version = WeightVersion()
+        client = SGLangClient(launcher.addresses, version=version.view())
 
         def reward(prompt, completion, output_tokens, **_):
             return float(len(set(output_tokens)) % 2)
@@ -114,25 +116,21 @@ def test_rollout_core_against_embedded_servers(weights_root, tmp_path):
         data = [{"prompt": f"Question {i}: how many apples?"} for i in range(64)]
         eta, B = 1, 4
         seen_versions = set()
-        with WorkflowExecutor(client, wf, consumer_batch_size=B, max_staleness=eta) as ex:
-            for step in range(4):
-                batch = ex.prepare_batch(data)
-                for g in batch:
-                    out_v = g["versions"][g["loss_mask"].bool()]
-                    assert step - int(out_v.min()) <= eta
-                    seen_versions.update(out_v.tolist())
-                    lp = g["logprobs"][g["loss_mask"].bool()]
-                    assert lp.lt(0).all(), lp[lp >= 0]
-                ex.pause()
-                version = step + 1
-
-                async def push(v=version):
-                    await client.update_weights(
-                        lambda: client.update_weights_from_disk(str(weights_root / ("v1" if v % 2 else "v0")), v), v)
-
-                asyncio.run(push())
-                ex.set_version(version)
-                ex.resume()
+        with WorkflowExecutor(client, wf, consumer_batch_size=B, max_staleness=eta, version=version.view()) as ex:
+            sync = ReloadWeightSync(version, RolloutSide(client, ex), str(weights_root / "v1"))
+            try:
+                for step in range(4):
+                    batch = ex.prepare_batch(data)
+                    for g in batch:
+                        out_v = g["versions"][g["loss_mask"].bool()]
+                        assert step - int(out_v.min()) <= eta
+                        seen_versions.update(out_v.tolist())
+                        lp = g["logprobs"][g["loss_mask"].bool()]
+                        assert lp.lt(0).all(), lp[lp >= 0]
+                    sync.path = str(weights_root / ("v1" if (step + 1) % 2 else "v0"))  # the servers alternate
+                    sync.push()
+            finally:
+                sync.close()
         assert len(seen_versions) >= 2 and seen_versions <= {0, 1, 2, 3}
         infos = [get(a, "/model_info")[1] for a in launcher.addresses]
         assert [i["weight_version"] for i in infos] == ["4", "4"]

@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from mega_async.inference.engine import GenerationEngine, GenRequest
-from mega_async.inference.weights import WeightLoadError, checkpoint_names, load_named_tensors, read_safetensors_dir
+from mega_async.inference.server.engine import GenerationEngine, GenRequest
+from mega_async.inference.server.weights import WeightLoadError, checkpoint_names, load_named_tensors, read_safetensors_dir
 from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
 
 from .conftest import ref_logprobs

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from mega_async.inference.server.engine import GenerationEngine, GenRequest
 from mega_async.inference.server.routing import RouteRecorder
-from mega_async.inference.weights import load_named_tensors, read_safetensors_dir
+from mega_async.inference.server.weights import load_named_tensors, read_safetensors_dir
 from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 
 from .conftest import ref_logprobs

@@ -4,7 +4,7 @@ only on evaluation steps, and a failing reward scores 0 (counted)."""
 import torch
 from transformers import AutoTokenizer
 
-from mega_async.evaluation import Evaluator
+from mega_async.run.evaluation import Evaluator
 from mega_async.inference.client import SGLangClient
 
 pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores

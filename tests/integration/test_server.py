@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.launch import free_port
-from mega_async.types import ModelRequest, ModelResponse
+from mega_async.comm import free_port
+from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.types import ModelRequest, ModelResponse, WeightVersion
 
 from .conftest import get, greedy_ok, post, ref_logprobs, run
 
@@ -268,17 +269,18 @@ def test_models_retrieve_loads_post_process_and_unknown_routes(server):
 def test_pause_abort_update_continue_resubmits(server, hf_models, weights_root):
     """Pause mid-generation -> update from disk (version 1) -> continue: the request finishes with both versions."""
     addr = server.addresses[0]
-    client = SGLangClient([addr])
+    version = WeightVersion()
+    client = SGLangClient([addr], version=version.view())
+    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"))
 
     async def main():
         req = ModelRequest(input_ids=PROMPT, max_new_tokens=1500, temperature=0.0, ignore_eos=True)
         task = asyncio.create_task(client.agenerate(req))
         await asyncio.sleep(0.7)
-
-        async def load():
-            await client.update_weights_from_disk(str(weights_root / "v1"), 1)
-
-        await client.update_weights(load, version=1)
+        try:  # the one pause bracket (the sync's): client hold -> pause -> load v1 -> version 1 -> continue
+            await asyncio.to_thread(sync.push)
+        finally:
+            sync.close()
         resp = await task
         info = await client.model_info()
         await client.aclose()

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import torch
 
-from mega_async.inference.launch import free_port
+from mega_async.comm import free_port
 
 from .conftest import get, post, ref_logprobs, run
 

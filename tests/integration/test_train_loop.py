@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from mega_async.config import load_config
-from mega_async.loop import run_training
+from mega_async.run.loop import run_training
 from mega_async.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from mega_async.inference.launch import free_port
+from mega_async.comm import free_port
 from mega_async.inference.server.protocol import TensorSpec, byte_ranges, unflatten
 
 from .conftest import get, greedy_ok, post, ref_logprobs

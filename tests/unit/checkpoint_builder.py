@@ -56,7 +56,7 @@ def save_model_dir(d: Path, weight: torch.Tensor | None = None) -> Path:
 
 
 def rollout_state(seed: int) -> dict:
-    """What RolloutOwner.snapshot saves: executor episodes, dataset position, reward counters."""
+    """What RolloutHead.snapshot saves: executor episodes, dataset position, reward counters."""
     from mega_async.rollout.journal import CallRecord
     from mega_async.types import ModelResponse
 

@@ -153,3 +153,26 @@ def test_table_and_figures_from_recorded_results(tmp_path):
     assert len(saved["runs"]) == len(recorded())
     assert bp.main(["--from-results", str(out / "runs.json"), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "table2.md").read_text() == text
+
+
+def test_diagnostics_backfilled_from_the_runs_metrics(tmp_path):
+    """Raw results without the objective's diagnostics get them from their run's metrics.jsonl; the table shows
+    each diagnostic's mean over the seeds that have it."""
+    out, runs_dir = tmp_path / "out", tmp_path / "runs"
+    (out / "raw").mkdir(parents=True)
+    for seed, stale in ((1, 0.5), (2, 1.5)):
+        r = {"name": "eta4-dec", "eta": 4, "objective": "dec", "interrupt": "abort", "pin": True, "seed": seed,
+             "wall_s": 10.0, "reward_final": 0.5, "time_to_target_s": None, "curve": [[0, 1.0, 0.5, 10.0]]}
+        (out / "raw" / f"eta4-dec_s{seed}.json").write_text(json.dumps(r))
+        d = runs_dir / "bench_paper" / f"eta4-dec_s{seed}"
+        d.mkdir(parents=True)
+        rows = [{"step": i, "train/staleness": stale + i, "train/behav_imp_weight_mean": 1.0, "train/clip_frac": 0.1}
+                for i in range(3)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    assert bp.backfill_diagnostics(out, runs_dir) == 2
+    assert bp.backfill_diagnostics(out, runs_dir) == 0  # done once
+    runs = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json"))]
+    assert [r["diag"]["train/staleness"] for r in runs] == [1.5, 2.5]
+    table = bp.diagnostics_table(runs)
+    # mean 2.0, half-width t(0.975, 1) * stdev / sqrt 2 = 12.706 * 0.7071 / 1.414 = 6.353
+    assert "| eta4-dec | 2 | 2 ± 6.353 | 1 ± 0 | - | 0.1 ± 0 | - |" in table

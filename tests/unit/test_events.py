@@ -98,7 +98,7 @@ def test_draw_timeline_lanes(tmp_path):
 def test_end_of_run_report_draws_the_timeline(tmp_path):
     import json
 
-    from mega_async.report import write_report
+    from mega_async.run.report import write_report
 
     rows = [{"step": i, "reward_mean": 0.1 * i, "step_s": 1.0, "elapsed_s": 1.0 + i} for i in range(3)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -58,7 +58,7 @@ def test_transformers_default_mtp_layer_is_refused_when_the_config_omits_the_fie
 
 
 def test_run_config_load_refuses_an_mtp_card(tmp_path):
-    from mega_async.loop import check_inputs
+    from mega_async.run.loop import check_inputs
 
     d = card(tmp_path, TINY_DEEPSEEK, num_nextn_predict_layers=1)
     cfg = load_config(None, [f"model.path={d}", f"logging.root_dir={tmp_path}"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.data import gsm8k_items
+from mega_async.data.gsm8k import gsm8k_items
 from mega_async.reward.gsm8k import gold_answer, gsm8k_reward
 
 ROOT = Path(__file__).resolve().parents[2]

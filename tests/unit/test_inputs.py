@@ -61,7 +61,7 @@ def test_existing_run_is_not_mixed_with_a_new_one(tmp_path, capsys):
 
 
 def test_prompts_over_the_budget_are_skipped():
-    from mega_async.loop import within_prompt_budget
+    from mega_async.run.loop import within_prompt_budget
     from mega_async.rollout.workflow import RLVRWorkflow
 
     cfg = load_config(None, ["data.max_prompt_tokens=4"])

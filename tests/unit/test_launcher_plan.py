@@ -7,8 +7,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from mega_async.allocation import parse_allocation
-from mega_async.launcher import fit
-from mega_async.launcher.plan import LaunchError, plan_job
+from mega_async.launch.slurm import fit
+from mega_async.launch.slurm.plan import LaunchError, plan_job
 
 ROOT = Path(__file__).resolve().parents[2]
 Q30 = AutoConfig.from_pretrained(ROOT / "models" / "qwen3-30b-a3b")

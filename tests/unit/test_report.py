@@ -5,8 +5,8 @@ import logging
 
 import pytest
 
-from mega_async.console import OwnOrSevere, ProgressHandler, RunDirFileHandler, setup_logging
-from mega_async.report import read_metrics, summarize, summary_table, time_to_reward, write_report
+from mega_async.run.console import OwnOrSevere, ProgressHandler, RunDirFileHandler, setup_logging
+from mega_async.run.report import read_metrics, summarize, summary_table, time_to_reward, write_report
 
 
 def history(n=4):
@@ -84,7 +84,7 @@ def _record(name, level, msg="m", **extra):
 
 def test_console_keeps_our_info_and_drops_third_party_noise():
     f = OwnOrSevere(logging.INFO)
-    assert f.filter(_record("mega_async.loop", logging.INFO))
+    assert f.filter(_record("mega_async.run.loop", logging.INFO))
     assert not f.filter(_record("megatron.core.distributed.param_and_grad_buffer", logging.INFO))
     assert not f.filter(_record("py.warnings", logging.WARNING))
     assert f.filter(_record("megatron.core", logging.ERROR))
@@ -111,15 +111,15 @@ def test_progress_bar_follows_steps_on_a_tty():
     out = Tty()
     h = ProgressHandler(total=5, stream=out)
     h.setFormatter(logging.Formatter("%(message)s"))
-    h.emit(_record("mega_async.loop", logging.INFO, "step 0 done", progress_step=0))
-    h.emit(_record("mega_async.loop", logging.INFO, "step 2 done", progress_step=2))
+    h.emit(_record("mega_async.run.loop", logging.INFO, "step 0 done", progress_step=0))
+    h.emit(_record("mega_async.run.loop", logging.INFO, "step 2 done", progress_step=2))
     assert h.bar.n == 3
     h.close()
     assert "step 2 done" in out.getvalue() and "3/5" in out.getvalue()
     plain = io.StringIO()
     p = ProgressHandler(total=5, stream=plain)  # not a terminal: plain lines, no bar
     p.setFormatter(logging.Formatter("%(message)s"))
-    p.emit(_record("mega_async.loop", logging.INFO, "hello", progress_step=0))
+    p.emit(_record("mega_async.run.loop", logging.INFO, "hello", progress_step=0))
     assert p.bar is None and plain.getvalue() == "hello\n"
 
 
@@ -132,7 +132,7 @@ def test_setup_logging_routes_warnings_to_the_file(tmp_path):
         handlers = setup_logging("INFO", tmp_path, total_steps=None)
         warnings.warn("Apex is not installed", UserWarning)
         logging.getLogger("megatron.core.optimizer").info("OptimizerConfig(lr=...)")
-        logging.getLogger("mega_async.loop").info("step 0: reward 0.1")
+        logging.getLogger("mega_async.run.loop").info("step 0: reward 0.1")
         for h in handlers:
             h.flush()
         log = (tmp_path / "train.log").read_text()

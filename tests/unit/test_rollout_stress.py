@@ -14,6 +14,7 @@ from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
+from mega_async.types import WeightVersion
 
 GROUP = 2
 
@@ -33,7 +34,9 @@ class CheckedStaleness(StalenessManager):
 
 def run_stress(eta: int, B: int, steps: int, seed: int) -> int:
     rng = random.Random(seed)
-    engine = SimulatedEngine(vocab_size=50, chunk_tokens=4, token_latency=(0.0, 2e-4), seed=seed)
+    version = WeightVersion()
+    engine = SimulatedEngine(vocab_size=50, chunk_tokens=4, token_latency=(0.0, 2e-4), seed=seed,
+                             version=version.view())
     outcomes: dict[int, str] = {}
     lock = threading.Lock()
 
@@ -67,7 +70,8 @@ def run_stress(eta: int, B: int, steps: int, seed: int) -> int:
 
     wf = Tracked(RLVRWorkflow(reward, max_new_tokens=24, stop_token_ids=[0]), GROUP)
     ex = WorkflowExecutor(engine, wf, consumer_batch_size=B, max_staleness=eta,
-                          max_concurrent_rollouts=rng.choice([B, 2 * B, 4 * B]), should_accept=should_accept)
+                          max_concurrent_rollouts=rng.choice([B, 2 * B, 4 * B]), should_accept=should_accept,
+                          version=version.view())
     ex.staleness.__class__ = CheckedStaleness
     ex.staleness.violations = []
     submitted = []
@@ -99,8 +103,8 @@ def run_stress(eta: int, B: int, steps: int, seed: int) -> int:
             before = ex.stats["submitted"]
             time.sleep(rng.uniform(0, 0.004))
             assert ex.stats["submitted"] == before, "an episode started while paused"
-            engine.set_version(step + 1)
-            ex.set_version(step + 1)
+            version.set(step + 1)  # the one version both read (this test is the sync)
+            ex.wake()
             engine.continue_generation()
             ex.resume()
         # drain: stop admitting, let running finish, take what is left

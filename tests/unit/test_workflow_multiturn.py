@@ -170,7 +170,7 @@ def test_workflow_and_objective_keys_are_validated(overrides, needle):
 
 def test_code_multiturn_config_wires_the_workflow_reward_and_objective(tok):
     from mega_async.config import load_config
-    from mega_async.loop import reward_for
+    from mega_async.run.loop import reward_for
     from mega_async.reward.code import code_reward
     from mega_async.rollout.workflow import make_workflow
 

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from aiohttp import web
 
+from mega_async.inference.fleet.model import BadRequest, SimRequest
 from mega_async.inference.sglang_releases import BEGIN_TWICE, END_WITHOUT_BEGIN, SELECTORS, session_refusal
 
-if TYPE_CHECKING:
-    from mega_async.inference.fleet.server import SimServer
+SimServer = Any  # the fleet server (server.py) whose endpoints these are: it imports this module
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float64": 8, "double": 8, "float16": 2, "half": 2, "bfloat16": 2,
                "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8,
@@ -53,8 +53,6 @@ def routes(s: "SimServer") -> dict[str, tuple[tuple[str, ...], Callable[[web.Bas
 
 
 def _bad(msg: str) -> Exception:
-    from mega_async.inference.fleet.server import BadRequest
-
     return BadRequest(msg)
 
 
@@ -72,8 +70,6 @@ def _int(body: dict, key: str, default: Any = None) -> Any:
 
 # ---- generation --------------------------------------------------------------------------------------
 async def generate(s: "SimServer", request: web.BaseRequest) -> Reply:
-    from mega_async.inference.fleet.server import SimRequest
-
     body = await s.body(request)
     if body.get("stream"):
         raise _bad("the fleet answers non-streaming /generate only (stream=false)")

@@ -8,7 +8,9 @@ against what the server really did.
 """
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 import random
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
@@ -129,3 +131,29 @@ class TokenModel:
         """Seconds per token for each running request when `batch` run together."""
         c = self.cfg
         return c.seconds(c.token_latency_s + c.batch_latency_s * batch) * slow
+
+
+class BadRequest(Exception):
+    """Answered 400 with SGLang's handler error body {"error": {"message"}}."""
+
+
+class SimRequest:
+    __slots__ = ("rid", "input_ids", "planned", "target", "stop", "offset", "base", "p0", "gen", "running",
+                 "marks", "fut", "t0", "cached", "logprobs")
+
+    def __init__(self, rid: str, input_ids: list, planned: int, target: int, stop: Optional[int], offset: int,
+                 version: str, cached: int, logprobs: bool, fut: asyncio.Future):
+        self.rid, self.input_ids, self.planned, self.target, self.stop = rid, input_ids, planned, target, stop
+        self.offset, self.cached, self.logprobs, self.fut = offset, cached, logprobs, fut
+        self.base = 0  # tokens made before the current admission (a retracted request keeps them)
+        self.p0 = 0.0  # the progress clock from which this admission counts tokens
+        self.gen = 0  # admissions so far: heap entries of earlier ones are stale
+        self.running = False
+        self.marks: list[list] = [[0, version]]  # [first token index, weight version] in order
+        self.t0 = time.monotonic()
+
+    def mark(self, produced: int, version: str) -> None:
+        if self.marks[-1][0] == produced:
+            self.marks[-1][1] = version
+        elif self.marks[-1][1] != version:
+            self.marks.append([produced, version])

@@ -24,7 +24,7 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from mega_async.inference.fleet import control
-from mega_async.inference.fleet.model import FleetConfig, TokenModel, version_number
+from mega_async.inference.fleet.model import BadRequest, FleetConfig, SimRequest, TokenModel, version_number
 from mega_async.inference.sglang_releases import Release
 
 try:
@@ -63,10 +63,6 @@ class _HTTPServer(web.Server):
         return _Handler(self, loop=self._loop, **self._kwargs)
 
 
-class BadRequest(Exception):
-    """Answered 400 with SGLang's handler error body {"error": {"message"}}."""
-
-
 class Continuations:
     """What an aborted request was going to make, by the token ids a resubmission will send (prompt + tokens so
     far): shared by the servers of one process, bounded (oldest dropped)."""
@@ -82,28 +78,6 @@ class Continuations:
 
     def pop(self, key: int) -> Optional[tuple[int, int, int, int]]:
         return self._d.pop(key, None)
-
-
-class SimRequest:
-    __slots__ = ("rid", "input_ids", "planned", "target", "stop", "offset", "base", "p0", "gen", "running",
-                 "marks", "fut", "t0", "cached", "logprobs")
-
-    def __init__(self, rid: str, input_ids: list, planned: int, target: int, stop: Optional[int], offset: int,
-                 version: str, cached: int, logprobs: bool, fut: asyncio.Future):
-        self.rid, self.input_ids, self.planned, self.target, self.stop = rid, input_ids, planned, target, stop
-        self.offset, self.cached, self.logprobs, self.fut = offset, cached, logprobs, fut
-        self.base = 0  # tokens made before the current admission (a retracted request keeps them)
-        self.p0 = 0.0  # the progress clock from which this admission counts tokens
-        self.gen = 0  # admissions so far: heap entries of earlier ones are stale
-        self.running = False
-        self.marks: list[list] = [[0, version]]  # [first token index, weight version] in order
-        self.t0 = time.monotonic()
-
-    def mark(self, produced: int, version: str) -> None:
-        if self.marks[-1][0] == produced:
-            self.marks[-1][1] = version
-        elif self.marks[-1][1] != version:
-            self.marks.append([produced, version])
 
 
 class SimServer:

@@ -23,6 +23,7 @@ from mega_async.inference.server.generate_protocol import (GenerateLimits, Optio
                                                            prompt_items, response_body)
 from mega_async.inference.server.info import InfoEndpoints
 from mega_async.inference.server.memory import MemoryOccupation, parse_tags
+from mega_async.inference.server.openai_api import OpenAIEndpoints
 from mega_async.inference.server.protocol import (QUEUE_FULL, BadRequest, BodyUnparsable, QueueFull, ValueRejected,
                                                   clean, error_body, handler_error_body, http_error_body,
                                                   validate_request)
@@ -174,8 +175,6 @@ class EmbeddedServer:
 
     # ---- app -------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        from mega_async.inference.server.openai_api import OpenAIEndpoints
-
         app = web.Application(middlewares=[self._auth, self._errors], client_max_size=64 << 20)
         r = app.router
         r.add_post("/generate", self.generate)

@@ -25,9 +25,9 @@ from mega_async.inference.server.detokenize import StopMatcher
 from mega_async.inference.server.prefix_cache import (KVSource, Lock, Match, RadixCache, plan_round, row_source,
                                                       stack_prefixes)
 from mega_async.inference.server.routing import RouteRecorder
-from mega_async.inference.server.sampling import process_logits, sample, sample_full, top_logprobs  # noqa: F401
+from mega_async.inference.server.sampling import process_logits, sample_full, top_logprobs
 
-logger = logging.getLogger("mega_async.inference.engine")
+logger = logging.getLogger("mega_async.inference.server.engine")
 
 
 @dataclass
@@ -213,10 +213,6 @@ class GenerationEngine:
             self.paused = None
 
         return self.run_command(do)
-
-    def hold(self, on: bool) -> None:
-        """In-place pause without waiting (kept for callers of the old API)."""
-        self.pause("in_place") if on else self.resume()
 
     @property
     def num_running(self) -> int:

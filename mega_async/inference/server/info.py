@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import datetime
 import time
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
 from mega_async.inference.server.memory import resident_weight_bytes
 
-if TYPE_CHECKING:
-    from mega_async.inference.server.app import EmbeddedServer
+EmbeddedServer = Any  # app.py's EmbeddedServer (app.py imports this module)
 
 
 class InfoEndpoints:

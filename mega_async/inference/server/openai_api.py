@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from aiohttp import web
 
@@ -22,8 +22,8 @@ from mega_async.inference.server.detokenize import StreamedText
 from mega_async.inference.server.generate_protocol import check_text, output_text
 from mega_async.inference.server.protocol import BadRequest, BodyUnparsable, clean, error_body, validate_openai
 
-if TYPE_CHECKING:
-    from mega_async.inference.server.app import EmbeddedServer, Tracked
+EmbeddedServer = Any  # app.py's EmbeddedServer (app.py imports this module)
+Tracked = Any  # app.py's Tracked (app.py imports this module)
 
 UNSUPPORTED = {"tools": "tool calling", "functions": "function calling", "suffix": "suffix", "echo": "echo",
                "response_format": "response_format", "regex": "regex", "json_schema": "json_schema", "ebnf": "ebnf",

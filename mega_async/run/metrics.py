@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-logger = logging.getLogger("mega_async.metrics")
+logger = logging.getLogger("mega_async.run.metrics")
 
 
 class RewardTracker:

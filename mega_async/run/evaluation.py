@@ -11,7 +11,7 @@ from mega_async.reward import RewardRunner
 from mega_async.rollout.workflow import RLVRWorkflow
 from mega_async.types import ModelRequest
 
-logger = logging.getLogger("mega_async.evaluation")
+logger = logging.getLogger("mega_async.run.evaluation")
 
 
 class Evaluator:

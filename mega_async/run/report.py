@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-logger = logging.getLogger("mega_async.report")
+logger = logging.getLogger("mega_async.run.report")
 
 # executor counters of every finished group (kept, filtered, rejected or failed): generation throughput
 GENERATED_KEYS = ("executor/accepted", "executor/filtered", "executor/rejected", "executor/failed")

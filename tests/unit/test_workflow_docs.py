@@ -1,4 +1,4 @@
-"""The README's "Write your own workflow" example runs as written, through rollout.workflow=my_task:make."""
+"""docs/rollout.md's "Write your own workflow" example runs as written, through rollout.workflow=my_task:make."""
 import asyncio
 import re
 import sys
@@ -23,8 +23,8 @@ class Scripted:
         return ModelResponse(list(req.input_ids), out, [-0.5] * len(out), [len(self.requests)] * len(out), "stop")
 
 
-def test_readme_workflow_example(tmp_path, monkeypatch):
-    text = (ROOT / "README.md").read_text()
+def test_docs_workflow_example(tmp_path, monkeypatch):
+    text = (ROOT / "docs" / "rollout.md").read_text()
     section = text.split("## Write your own workflow", 1)[1]
     code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     (tmp_path / "my_task.py").write_text(code)

@@ -1,4 +1,4 @@
-"""The sbatch script of a job: launch/slurm/job.sbatch with the plan's header, variables and steps filled
+"""The sbatch script of a job: the job.sbatch template (mega_async/launch/slurm/templates/, linked from launch/slurm) with the plan's header, variables and steps filled
 in. Values are shell-quoted; nothing secret is written (the API key is read from its variable at run time)."""
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Optional, Sequence
 
 from mega_async.config import RunConfig
 from mega_async.inference.launch import ServerSpec, server_command
-from mega_async.launcher.plan import JobPlan
+from mega_async.launch.slurm.plan import JobPlan
 
-LAUNCH_DIR = Path(__file__).resolve().parents[2] / "launch" / "slurm"
+LAUNCH_DIR = Path(__file__).resolve().parent / "templates"  # shipped in the package; launch/slurm links here
 
 
 def _q(v: object) -> str:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mega_async.allocation import Allocation, AllocationError, validate_for_model
-from mega_async.launcher import fit
+from mega_async.launch.slurm import fit
 
 
 class LaunchError(ValueError):

@@ -10,12 +10,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.allocation import AllocationError, parse_allocation
+from mega_async.allocation import AllocationError
 from mega_async.config import ConfigError, RunConfig, TrainerConfig, load_config
-from mega_async.launcher.plan import JobPlan, LaunchError, plan_job
-from mega_async.launcher.render import render_job
+from mega_async.launch.slurm.plan import JobPlan, LaunchError, plan_job
+from mega_async.launch.slurm.render import render_job
 
-logger = logging.getLogger("mega_async.launcher.slurm")
+logger = logging.getLogger("mega_async.launch.slurm.submit")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -50,7 +50,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan
     if args.requeue and "resume" not in {f.name for f in dataclasses.fields(TrainerConfig)}:
         raise LaunchError("--requeue resumes through trainer.resume, which this version does not have yet; "
                           "submit without --requeue (a pre-empted job then checkpoints and stops)")
-    alloc = parse_allocation(cfg.parallel.allocation)
+    alloc = cfg.allocation()
     model = Path(cfg.model.path)
     if not (model / "config.json").exists():
         raise LaunchError(f"model.path={cfg.model.path} has no config.json; pass an HF model directory")
@@ -74,7 +74,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan
 
 def _check_weight_format(cfg: RunConfig, hf: object) -> None:
     """SGLang servers started on an FP8 block checkpoint load updates as FP8 blocks (and only those)."""
-    from mega_async.launcher.fit import fp8_block_size
+    from mega_async.launch.slurm.fit import fp8_block_size
 
     fp8 = fp8_block_size(hf) is not None
     fmt = cfg.trainer.sync_weight_format
@@ -89,7 +89,7 @@ def _check_weight_format(cfg: RunConfig, hf: object) -> None:
 
 def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
     """Write `<run_dir>/slurm/job.sbatch` and sbatch it; returns (job id, script path)."""
-    from mega_async.model_cards import has_weights, init_random_weights
+    from mega_async.model_cards import ensure_weights, has_weights
 
     from mega_async.checkpoint import resume_point
 
@@ -101,7 +101,7 @@ def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
         if cfg.inference.backend == "sglang":
             raise LaunchError(f"model.path={cfg.model.path} has a config but no weights: download the checkpoint "
                               "there (e.g. huggingface-cli download <repo> --local-dir <model.path>)")
-        init_random_weights(cfg.model.path, seed=cfg.seed)  # the tiny CPU cards: what the driver would do
+        ensure_weights(cfg.model.path, seed=cfg.seed)  # the tiny CPU cards: what the driver would do
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     path = run_dir / "slurm" / "job.sbatch"

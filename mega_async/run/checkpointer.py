@@ -1,0 +1,117 @@
+"""When a run saves and what it leaves: the checkpoint cadence (`trainer.save_interval`, the last step), the
+pre-emption vote (any rank asked to stop: checkpoint, then Preempted), the resume (a checkpoint's weights to the
+servers, its rollouts to the executor) and the final export (`<run_dir>/final_hf`)."""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from mega_async.config import RunConfig, save_config
+
+logger = logging.getLogger("mega_async.run.loop")
+
+
+class Preempted(Exception):
+    """The run stopped at a step boundary on request (Slurm's pre-emption signal) after writing a checkpoint."""
+
+    def __init__(self, step: int, checkpoint: Any):
+        super().__init__(f"preempted after step {step}; checkpoint {checkpoint}; continue with --resume")
+        self.step, self.checkpoint = step, checkpoint
+
+
+class Checkpointer:
+    """Every rank holds one; rank 0 (the head) also saves the rollout side."""
+
+    def __init__(self, cfg: RunConfig, group: Any = None, stop_requested: Optional[Callable[[], bool]] = None):
+        self.cfg, self.group, self.stop_requested = cfg, group, stop_requested
+        self.engine: Any = None
+        self.sync: Any = None
+        self.head: Any = None
+        self.start = 0
+        self.preempted: Optional[Preempted] = None
+
+    def resume_point(self, rank0: bool, world: int, checked: bool) -> Optional[Path]:
+        """The checkpoint to continue from (`trainer.resume`), on every rank. Rank 0 checks it whole first (unless
+        the caller did: `checked`), then resets the run directory to it and saves the config."""
+        from mega_async.checkpoint import checked_resume_point, reset_run_dir, resume_point
+        from mega_async.trainer.sync import from_rank0
+
+        resume = None
+        if rank0:
+            resume = resume_point(self.cfg.run_dir, self.cfg.trainer.resume) if checked else \
+                checked_resume_point(self.cfg, world)
+            reset_run_dir(self.cfg.run_dir, resume)
+            save_config(self.cfg, self.cfg.run_dir)
+        return from_rank0(resume, self.group)
+
+    @staticmethod
+    def version_of(resume: Optional[Path]) -> Optional[int]:
+        """The weight version a checkpoint was saved at (None: a fresh run)."""
+        from mega_async.checkpoint_check import read_trainer_json
+
+        return int(read_trainer_json(resume / "trainer.json")["version"]) if resume is not None else None
+
+    def load(self, resume: Optional[Path], engine: Any) -> Optional[dict]:
+        """The checkpoint's model and optimizer into the engine; its trainer.json (with `rollout` on rank 0)."""
+        from mega_async.checkpoint import load_checkpoint
+
+        self.engine = engine
+        meta = load_checkpoint(resume, engine) if resume is not None else None
+        self.start = meta["step"] + 1 if meta else 0
+        return meta
+
+    def resume(self, meta: Optional[dict], sync: Any, head: Any) -> None:
+        """Before any rollout: the servers get the checkpoint's weights at its version (the sync's first push brings
+        the version back to it), then the executor its saved rollouts."""
+        self.sync, self.head = sync, head
+        if meta:
+            sync.push()
+            if head is not None:
+                head.restore(meta["rollout"], sync.version.value)
+
+    def after_step(self, step: int) -> bool:
+        """Save when due (cadence, last step, or any rank asked to stop); True: stop now (pre-empted)."""
+        t = self.cfg.trainer
+        stop = _any_rank(bool(self.stop_requested and self.stop_requested()), self.group)
+        last = step == t.total_steps - 1
+        if stop or last or (t.save_interval and (step + 1) % t.save_interval == 0):
+            path = self._save(step)
+            if stop:
+                self.preempted = Preempted(step, path)
+        return stop
+
+    def export_final(self) -> None:
+        """The run's final weights as an HF directory: `<run_dir>/final_hf` (every rank takes part)."""
+        from mega_async.trainer.weights import save_hf_checkpoint
+
+        save_hf_checkpoint(self.engine.models, self.cfg.run_dir / "final_hf", src_dir=self.cfg.model.path)
+
+    def raise_if_preempted(self) -> None:
+        if self.preempted is not None:
+            raise self.preempted
+
+    def _save(self, step: int) -> Any:
+        from mega_async.checkpoint import save_checkpoint
+        from mega_async.checkpoint_check import run_record
+
+        t0 = time.monotonic()
+        state, sizes = self.head.snapshot(self.sync) if self.head is not None else (None, {})
+        path = save_checkpoint(self.cfg.run_dir, step, self.engine, self.sync.version.value,
+                               self.cfg.parallel.allocation, state, keep=self.cfg.trainer.keep_checkpoints,
+                               extra={**sizes, **run_record(self.cfg)})
+        logger.info("checkpoint %s (%.1fs)", path, time.monotonic() - t0)
+        return path
+
+
+def _any_rank(flag: bool, group: Any) -> bool:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

@@ -1,0 +1,44 @@
+"""A step's batch onto the trainer ranks: rank 0's groups get their GRPO advantages and are split over the
+data-parallel ranks by tokens (whole groups, token-balanced); every rank receives them and keeps its share
+(TP/PP/CP peers of a DP rank keep the same share)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class StepBatch:
+    """This rank's share of a step's batch, the trained batch's mean reward and rank 0's wait for it."""
+
+    tensors: dict[str, torch.Tensor]
+    reward: float
+    rollout_wait_s: float = 0.0
+
+
+def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
+                rollout_wait_s: float = 0.0) -> StepBatch:
+    """Every rank calls it; rank 0 passes the step's groups (`algorithm`: the config's algorithm section), the
+    others None. `group`: the gloo control group the batch travels on."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from mega_async.algo.advantages import batch_with_advantages
+    from mega_async.packing import redistribute_groups
+    from mega_async.types import concat_padded
+
+    payload = None
+    if groups is not None:
+        a = algorithm
+        groups, rewards = batch_with_advantages(groups, a.adv_norm, a.reward_scale, a.reward_bias)
+        tokens = [int(g["attention_mask"].sum()) for g in groups]
+        payload = (groups, redistribute_groups(tokens, mpu.get_data_parallel_world_size()), float(rewards.mean()),
+                   rollout_wait_s)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [payload]
+        dist.broadcast_object_list(box, src=0, group=group)
+        payload = box[0]
+    groups, shares, reward, wait = payload
+    return StepBatch(concat_padded([groups[i] for i in shares[mpu.get_data_parallel_rank()]]), reward, wait)

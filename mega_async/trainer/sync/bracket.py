@@ -1,0 +1,259 @@
+"""Weight sync: the trainer's new weights onto the inference servers; the one owner of the weight version.
+
+    push(): [disk: export HF dir] -> pause bracket { [distributed: resharder buckets -> POST + broadcast]
+            [disk: servers load the dir] -> version += 1 } -> [verify: probe logprobs equal the trainer's]
+
+Three pauses, one bracket (`pause_bracket`), entered in this order and left in reverse in `finally`,
+so no failure leaves anything paused: (1) the executor stops admitting new episodes (running ones go
+on); (2) the client holds every interrupted request instead of resubmitting it; (3) the servers pause
+in abort mode, which answers in-flight requests with their partial output. After the update the
+client resubmits prompt + tokens so far, and the new tokens carry the new version.
+
+Every trainer rank calls `push()` (SPMD). The DP head (global rank 0) owns the bracket and the
+rollout side; each pipeline stage head owns one weight-update group with the servers (built as
+SGLang builds it) and streams its own stage. Failures are agreed across ranks, servers are rolled
+back and continued, the version is left unchanged and `SyncError` is raised on every rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import time
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from mega_async.events import NullEventLog
+from mega_async.trainer.sync.common import (INTERRUPT_MODES, HttpLoop, RolloutSide, SyncError, agree, from_rank0,
+                                             rank)
+from mega_async.trainer.sync.verify import Verification
+from mega_async.types import WeightVersion
+
+logger = logging.getLogger("mega_async.trainer.sync")
+
+
+class WeightSync(Verification):
+    """Common part of both modes: the version, the pause bracket, verification. Subclasses `_update`."""
+
+    expects_new_weights = True  # every push sends weights that differ from the last (a training step ran)
+
+    def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
+                 *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
+                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None, events: Any = None,
+                 verify_method: str = "auto", interrupt: str = "abort"):
+        self.events = events if events is not None else NullEventLog()  # phases on the run's timeline
+        self.models = list(models)
+        self.group = group  # for the small agreements between ranks (a gloo group with a long timeout)
+        self.version = version
+        self.rollout = rollout if rank() == 0 else None
+        self.timeout = timeout
+        self._verify_fn = verify
+        self.verify_tol = verify_tol
+        if verify_method not in ("auto", "probe", "checksum"):
+            raise ValueError(f"verify_method={verify_method!r}: use auto, probe or checksum")
+        self.verify_method = verify_method
+        if interrupt not in INTERRUPT_MODES:
+            raise ValueError(f"interrupt={interrupt!r}: use one of {INTERRUPT_MODES}")
+        self.interrupt = interrupt
+        self.flush_cache = interrupt != "in_place"  # SGLang 0.5.21+ fails an update whose flush finds requests
+        self.fp8_block: Optional[tuple[int, int]] = None  # FP8 block quantization on the way (disk, distributed)
+        self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last verify
+        self._targets: list[str] = []  # rank 0: the servers of the current (or last) push
+        self.temperature = temperature
+        self._loop = HttpLoop()
+        self.last: dict[str, float] = {}
+
+    # ---- the bracket -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def pause_bracket(self) -> Iterator[None]:
+        """executor stops admitting -> client holds resubmits -> servers pause ... and back, in finally.
+
+        How the servers pause is `rollout.interrupt`: abort (in-flight requests return their partial output and
+        are resubmitted after the update), retract (the servers requeue them and prefill them again under the
+        new weights), in_place (they keep their KV cache), none (no interruption: the bracket first waits for
+        every in-flight request to finish, new ones held, then pauses)."""
+        r = self.rollout
+        if r is None:
+            yield
+            return
+        self.events.emit("sync_start", phase="pause")
+        if r.executor is not None:
+            r.executor.pause()
+        try:
+            r.client.pause()
+            try:
+                try:
+                    if self.interrupt == "none":  # the non-interruptible baseline: generation finishes first
+                        self._wait(r.client.wait_idle(self.timeout))
+                    mode = "abort" if self.interrupt == "none" else self.interrupt
+                    # the HTTP call carries the same timeout, so it cannot land after continue
+                    self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout))
+                    self.events.emit("sync_end", phase="pause")
+                    yield
+                finally:  # also when pausing failed half-way: no server stays paused
+                    self.events.emit("sync_start", phase="continue")
+                    cont = r.client.continue_generation()
+                    if inspect.isawaitable(cont):
+                        self._loop.run(cont, 2 * self.timeout + 10)
+                    self.events.emit("sync_end", phase="continue")
+            finally:
+                r.client.resume()
+        finally:
+            if r.executor is not None:
+                r.executor.resume()
+                r.executor.wake()
+
+    def push(self) -> dict[str, float]:
+        """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError.
+
+        The servers are the client's `sync_targets`: a server that is down is left out (it is brought up to date
+        when it answers again). A sync that fails because one of its servers went down meanwhile is done once
+        more without it; any other failure is raised."""
+        start = self.version.value
+        try:
+            return self._push_once()
+        except SyncError as e:
+            if self.version.value != start:  # committed (a verify failed after it): nothing to do again
+                raise
+            lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
+            if not lost:
+                raise
+            if self.rollout is not None:
+                logger.warning("weight sync failed while server(s) %s went down (%s); syncing again without them",
+                               ", ".join(lost), str(e)[:300])
+            return self._push_once()
+
+    def _targets_now(self, probe: bool = False) -> list[str]:
+        client = self.rollout.client
+        if probe:  # a server that came back since it was last tried joins this sync
+            try:
+                self._loop.run(client.probe_down(), self.timeout + 10)
+            except Exception as e:  # noqa: BLE001 - it stays out of this sync
+                logger.warning("probing the servers that were down failed: %s: %s", type(e).__name__, e)
+        return [s.address for s in client.sync_targets()]
+
+    def _lost_servers(self) -> list[str]:
+        """Rank 0: servers of the failed push that are down now or lost their state (a restarted process)."""
+        client = self.rollout.client
+        try:
+            behind = set(self._loop.run(client.find_behind(), self.timeout + 10))
+        except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
+            logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
+            behind = set()
+        now = {s.address for s in client.sync_targets()}
+        return [a for a in self._targets if a not in now or a in behind]
+
+    def _membership(self) -> None:
+        """Before a push (every rank): the distributed sync rebuilds its group when the servers changed."""
+
+    def _push_once(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        target = self.version.value + 1
+        if self.rollout is not None:
+            self._targets = self._targets_now(probe=True)
+        self._membership()
+        with self.events.span("sync", phase="prepare", version=target):
+            errors = agree(self._guarded(self._prepare, target), self.group)  # before the pause (disk: export)
+        rolled = None
+        with contextlib.ExitStack() as stack:
+            if not errors:  # the same on every rank: they agreed
+                enter_error = None
+                if self.rollout is not None:
+                    try:
+                        stack.enter_context(self.pause_bracket())
+                    except Exception as e:  # noqa: BLE001 - e.g. a dead server: the bracket has undone itself
+                        enter_error = f"pausing the servers: {type(e).__name__}: {e}"
+                errors = agree(enter_error, self.group)
+            if not errors:
+                try:
+                    errors = agree(self._guarded(self._begin, target), self.group)  # sessions (SGLang 0.5.21+)
+                    if not errors:
+                        with self.events.span("sync", phase="update", version=target):
+                            errors = agree(self._guarded(self._update, target), self.group)
+                    if not errors:
+                        errors = agree(self._guarded(self._commit, target), self.group)
+                    if not errors:
+                        errors = agree(self._guarded(self._end, target), self.group)
+                except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue
+                    self._abort()
+                    self._rollback()
+                    self._end_quietly()
+                    raise
+                if errors:
+                    self._abort()  # a receive still waiting on a broken group fails now instead of at its timeout
+                    rolled = self._rollback()  # still inside the bracket: servers drop this sync, then continue
+                    self._end_quietly()  # no server is left with a weight-update session open
+                elif self.rollout is not None:
+                    self.version.set(target)
+                    self.rollout.client.synced(target)  # servers are admitted at this version now
+        if errors:
+            self._after_failure()
+            agree(None, self.group)  # no rank leaves before rank 0 has rolled back and continued the servers
+            raise SyncError(f"weight sync to version {target} failed ({'; '.join(errors)}); "
+                            + (rolled or f"the servers keep version {self.version.value}"))
+        self.version.set(from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
+        self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
+        if self._verify_fn is not None:
+            self.last["sync/verify_max_abs_diff"] = self.verify()
+        return dict(self.last)
+
+    @staticmethod
+    def _guarded(fn: Callable[[int], Optional[str]], target: int) -> Optional[str]:
+        try:
+            return fn(target)
+        except Exception as e:  # noqa: BLE001 - becomes this rank's error in the agreement
+            return f"{type(e).__name__}: {e}"
+
+    def _commit(self, target: int) -> Optional[str]:
+        """After every rank succeeded (distributed: the version is set on the servers only now)."""
+        return None
+
+    def _wait(self, result: Any) -> Any:
+        """Wait for a client call: coroutines run on the HTTP thread (the simulator answers at once)."""
+        return self._loop.run(result, self.timeout) if inspect.isawaitable(result) else result
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _prepare(self, target: int) -> None:
+        """Work done before the pause (disk: write the checkpoint)."""
+
+    def _update(self, target: int) -> Optional[str]:
+        """Send the weights inside the bracket; returns this rank's error, or None."""
+        raise NotImplementedError
+
+    def _rollback(self) -> Optional[str]:
+        """Ask the servers to drop this sync; returns what went wrong (None: every server rolled back)."""
+        if self.rollout is None:
+            return None
+        try:  # a server may first finish a receive that is failing: allow it its own timeout too
+            replies = self._loop.run(self.rollout.client.rollback_weights(), 2 * self.timeout + 10)
+        except Exception as e:  # noqa: BLE001 - the run stops anyway; continue_generation comes next
+            logger.warning("rolling back the servers failed: %s: %s", type(e).__name__, e)
+            return f"rolling back the servers failed ({type(e).__name__}: {e}): they may serve partial weights"
+        bad = [s for s, r in zip(self.rollout.client.addresses, replies)
+               if not (isinstance(r, dict) and r.get("success"))]
+        for server in bad:
+            logger.warning("server %s could not roll back this sync: it may serve partially updated weights "
+                           "until the next successful sync or a reload", server)
+        return (f"servers {', '.join(bad)} could not roll back (no /rollback_weights: real SGLang) and may serve "
+                "partially updated weights" if bad else None)
+
+    def _begin(self, target: int) -> Optional[str]:
+        """Inside the bracket, before any weight moves (distributed: open the servers' weight-update sessions)."""
+        return None
+
+    def _end(self, target: int) -> Optional[str]:
+        """After the commit (distributed: close the sessions; SGLang finalizes the load there)."""
+        return None
+
+    def _end_quietly(self) -> None:
+        """On every failure path, after the rollback: close whatever session is still open; never raises."""
+
+    def _abort(self) -> None:
+        """Right after a failure, before the rollback (distributed: drop this rank's side of the group)."""
+
+    def _after_failure(self) -> None:
+        """Clean-up after a failed sync (distributed: the groups may be broken)."""
+
+    def close(self) -> None:
+        self._loop.close()

@@ -1,0 +1,90 @@
+"""What every part of the weight sync shares: the error, the HTTP loop thread, the agreement between trainer
+ranks, and the rollout side the bracket pauses.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from typing import Any, Optional, Sequence
+
+import torch
+
+import torch.distributed as dist
+
+logger = logging.getLogger("mega_async.trainer.sync")
+
+
+INTERRUPT_MODES = ("abort", "retract", "in_place", "none")  # rollout.interrupt
+
+
+class SyncError(RuntimeError):
+    """A weight sync failed; the servers keep their old weights and version."""
+
+
+class HttpLoop:
+    """A private event loop thread for the client's HTTP calls: the trainer gets futures, never asyncio.run."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sync-http", daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Any) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Any, timeout: Optional[float] = None) -> Any:
+        return self.submit(coro).result(timeout)
+
+    def close(self) -> None:
+        if self._thread.is_alive():  # what lives on this loop (the client's HTTP session) is closed first
+            with contextlib.suppress(Exception):
+                self.run(self.loop.shutdown_asyncgens(), 5)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def one_line(error: Optional[str]) -> Optional[str]:
+    return " ".join(error.split()) if error else error
+
+
+def agree(error: Optional[str], group: Any = None) -> list[str]:
+    """Every rank's error (None = fine, each flattened to one line), gathered on every rank."""
+    error = one_line(error)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [error] if error else []
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, error, group=group)
+    return [f"rank {r}: {e}" for r, e in enumerate(every) if e]
+
+
+def from_rank0(obj: Any, group: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (over `group`, e.g. the gloo control group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+class RolloutSide:
+    """What the DP head pauses and resumes: the executor (may be None) and the SGLang client."""
+
+    def __init__(self, client: Any, executor: Any = None):
+        self.client = client
+        self.executor = executor
+
+
+def fp8_block_of(models: Sequence[torch.nn.Module], weight_format: str) -> Optional[tuple[int, int]]:
+    """trainer.sync_weight_format: None (the trainer's dtype) or the FP8 block of the servers' checkpoint."""
+    from mega_async.bridge import bridge_for, fp8
+
+    if weight_format == "model_dtype":
+        return None
+    return fp8.sync_block(weight_format, bridge_for(models).hf_config if models else None)

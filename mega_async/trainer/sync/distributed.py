@@ -1,0 +1,345 @@
+"""Weights over a torch.distributed group with the servers (SGLang's update_weights_from_distributed): each pipeline
+stage head streams its stage's resharded buckets; FP8 block quantization on the way when the card is FP8.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime
+import logging
+import socket
+import time
+from typing import Any, Optional, Sequence
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from mega_async.trainer.sync.bracket import WeightSync
+from mega_async.trainer.sync.common import RolloutSide, SyncError, agree, fp8_block_of, from_rank0, rank
+from mega_async.trainer.sync.verify import aligned_order
+from mega_async.types import WeightVersion
+
+logger = logging.getLogger("mega_async.trainer.sync")
+
+
+DATA_PLANES = ("broadcast", "none")  # DistributedWeightSync(data_plane=...): none = the fleet benchmark's seam
+NO_DATA_PLANE = object()  # the weight-update "group" of data_plane="none": nothing is joined
+
+
+def _fp8_bucket(bucket: Any, block: tuple[int, int], resharder: Any) -> Any:
+    """The bucket as an FP8 block checkpoint holds it (each weight with its weight_scale_inv, in one bucket)."""
+    from mega_async.bridge import fp8
+    from mega_async.trainer.weights import Bucket
+
+    out = Bucket()
+    skip = fp8.skipped_modules(resharder.bridge.hf_config)
+    for name, t in fp8.quantize_named(zip(bucket.names, bucket.tensors), block, skip):
+        out.add(name, t)
+    return out
+
+
+def _reachable_address(server_addresses: Sequence[str]) -> str:
+    """The local address the servers can reach this host at (the route to the first server)."""
+    host = urlparse(server_addresses[0] if "://" in server_addresses[0] else f"http://{server_addresses[0]}").hostname
+    if host in (None, "localhost") or host.startswith("127."):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:  # connect() on UDP sends nothing
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+class DistributedWeightSync(WeightSync):
+    """Weights by torch.distributed broadcast: each pipeline stage head owns a weight-update group with
+    every server rank (trainer = rank 0, server i at 1 + its GPUs before it), built as SGLang builds it;
+    per bucket it POSTs /update_weights_from_distributed from the HTTP thread, broadcasts, and checks
+    every reply."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
+                 addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
+                 load_format: str = "flattened_bucket", backend: Optional[str] = None, gpus_per_server: int = 1,
+                 master_address: Optional[str] = None, weight_format: str = "model_dtype",
+                 data_plane: str = "broadcast", **kw: Any):
+        from mega_async.trainer.weights import Resharder
+
+        if data_plane not in DATA_PLANES:
+            raise ValueError(f"data_plane={data_plane!r}: use broadcast (none: the simulated fleet's control-plane "
+                             "benchmark, never a run)")
+        self.data_plane = data_plane  # a constructor seam for tools/bench_scale.py and tests; no config key sets it
+        super().__init__(models, version, rollout, **kw)
+        self.fp8_block = fp8_block_of(models, weight_format)
+        if load_format not in ("flattened_bucket", "tensor"):
+            raise ValueError(f"load_format={load_format!r}: use flattened_bucket or tensor")
+        self.resharder = Resharder(models, bucket_bytes=bucket_bytes)
+        self.load_format = load_format
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.gpus_per_server = gpus_per_server
+        self.group_name = f"mega_async_pp{self.resharder.pp_rank}"
+        self.client: Any = None
+        self.pg: Any = None
+        self._init_error: Optional[str] = None
+        self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
+        self._fleet_checked = False  # data_plane="none": the servers were checked to be simulated ones
+        self._group_on_servers = False  # the servers were told of a group this side has left
+        if self.resharder.is_stage_head:
+            try:
+                from mega_async.inference.client import SGLangClient
+
+                if not addresses:
+                    raise ValueError("no server addresses: the distributed sync needs inference servers")
+                self.client = self.rollout.client if self.rollout is not None else SGLangClient(
+                    list(addresses), api_key=api_key, request_timeout=self.timeout)
+                if self.rollout is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
+                    releases = self._loop.run(self.client.learn_releases(self.timeout), self.timeout + 10)
+                    logger.info("servers' SGLang releases: %s", ", ".join(
+                        f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}"
+                        for a, r in zip(self.client.addresses, releases)))
+                self._master_address = master_address or _reachable_address(addresses)
+                self._init_group(self._master_address)
+            except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
+                self._init_error = f"{type(e).__name__}: {e}"
+        # pipeline stages stream one after another: concurrent groups through the same servers could
+        # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
+        heads = [(self.resharder.pp_rank, rank())] if self.resharder.is_stage_head else []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, heads, group=self.group)
+            heads = [h for x in every for h in x]
+        self._stage_heads = dict(heads)
+        errors = agree(self._init_error, self.group)
+        if errors:
+            self.close()
+            raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
+
+    def _membership(self) -> None:
+        """Every rank, before a push: rank 0 decides whether the weight-update groups must be built again (a
+        member is down, a server came back with a new process or behind, or a failed sync dropped the group),
+        and every stage head rebuilds its group over the servers to sync now."""
+        want = None
+        if self.rollout is not None:
+            targets = self.client.sync_targets()
+            addrs = [s.address for s in targets]
+            if self.pg is None or addrs != self.client.group_members or any(s.rejoin for s in targets):
+                want = addrs
+        want = from_rank0(want, self.group)
+        if want is None:
+            return
+        if not want:
+            raise SyncError("no inference server is up to take the weights; check the servers' logs")
+        if self.rollout is not None:
+            logger.warning("weight-update groups built again over %d server(s) (members: %s)", len(want),
+                           ", ".join(want))
+        self._init_error = None
+        if self.resharder.is_stage_head:
+            try:
+                self._destroy_group()
+                self._init_group(self._master_address, want)
+            except Exception as e:  # noqa: BLE001 - agreed below
+                self._init_error = f"{type(e).__name__}: {e}"
+        errors = agree(self._init_error, self.group)
+        if errors:
+            raise SyncError("could not build the weight-update groups again: " + "; ".join(errors))
+
+    def _init_group(self, address: str, addresses: Optional[list[str]] = None) -> None:
+        from mega_async.comm import free_port, init_custom_process_group
+
+        port = free_port()
+        self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
+        if addresses is None:
+            addresses = [s.address for s in self.client.sync_targets()]
+        if self.data_plane == "none":
+            return self._init_control_plane_only(address, port, addresses)
+        fut = self._loop.submit(self.client.init_weights_update_group(
+            address, port, self.group_name, backend=self.backend, gpus_per_server=self.gpus_per_server,
+            timeout=self.timeout, addresses=addresses))
+        world = 1 + self.gpus_per_server * len(addresses)
+        try:
+            self.pg = init_custom_process_group(self.backend, f"tcp://{address}:{port}", world, 0, self.group_name,
+                                                timeout=datetime.timedelta(seconds=self.timeout))
+            fut.result(self.timeout)
+            logger.info("weight-update group %s: trainer + %d server ranks at %s:%d (%s)", self.group_name,
+                        world - 1, address, port, self.backend)
+        except Exception as e:  # noqa: BLE001
+            self._init_error = f"{self.group_name}: {type(e).__name__}: {e}"
+            fut.cancel()
+            self._abort()  # no half-built group: the next push builds one again
+
+    def _init_control_plane_only(self, address: str, port: int, addresses: Optional[list[str]] = None) -> None:
+        """data_plane="none": the servers are told of a group nobody joins and no tensor moves. Only simulated fleet
+        servers that say so in /server_info take part (a real server would wait for a broadcast)."""
+        if not self._fleet_checked:  # once: the servers are the same processes' kind after
+            infos = self._loop.run(self.client.server_info(self.timeout), self.timeout + 10)
+            real = [a for a, i in zip(self.client.addresses, infos)
+                    if (i.get("fleet") or {}).get("data_plane") != "none"]
+            if real:
+                raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} "
+                                 "has one: use the default data_plane='broadcast'")
+            self._fleet_checked = True
+        self._loop.run(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
+                                                             gpus_per_server=self.gpus_per_server,
+                                                             timeout=self.timeout, addresses=addresses),
+                       self.timeout + 10)
+        self.pg = NO_DATA_PLANE
+
+    def _update(self, target: int) -> Optional[str]:
+        """Stream this stage's buckets; bucket k is broadcast and loaded while bucket k+1 is gathered (at most
+        two buckets in flight, the next POST only after the previous reply, so servers see them in order)."""
+        error: Optional[str] = None
+        stats = {"bytes": 0, "buckets": 0, "broadcast_s": 0.0, "server_s": 0.0, "bucket_s": 0.0}
+        t_all = time.perf_counter()
+        rs = self.resharder
+        turn = rs.is_stage_head and rs.pp_size > 1
+        if turn and rs.pp_rank > 0:  # wait for the previous stage; it says whether it failed
+            token = torch.zeros(1, dtype=torch.int64)
+            dist.recv(token, src=self._stage_heads[rs.pp_rank - 1], group=self.group)
+            if token.item():
+                error = f"stage {rs.pp_rank - 1} failed first; stage {rs.pp_rank} sent nothing"
+        if error is None and rs.is_stage_head and self.pg is None:  # dropped by an earlier failed sync
+            error = (f"stage {rs.pp_rank} has no weight-update group (building it failed); check the servers' "
+                     "logs")
+        try:
+            error = self._stream(target, stats, error)
+        finally:
+            if turn and rs.pp_rank < rs.pp_size - 1:
+                token = torch.tensor([1 if error else 0], dtype=torch.int64)
+                dist.send(token, dst=self._stage_heads[rs.pp_rank + 1], group=self.group)
+        stats["gather_s"] = rs.stats.get("gather_s", 0.0)
+        stats["total_s"] = time.perf_counter() - t_all
+        self.last = {f"sync/{k}": float(v) for k, v in stats.items()}
+        return error
+
+    def _stream(self, target: int, stats: dict, error: Optional[str]) -> Optional[str]:
+        pending = None
+        for bucket in self.resharder.buckets():  # every rank of the stage drains it (collectives)
+            if error is not None or self.pg is None:
+                continue  # keep draining so the stage's other ranks are not left in a gather
+            try:
+                if pending is not None:
+                    self._finish(pending, stats)
+                    pending = None
+                pending = self._start(bucket if self.fp8_block is None else _fp8_bucket(bucket, self.fp8_block,
+                                                                                         self.resharder), target, stats)
+            except Exception as e:  # noqa: BLE001
+                error, pending = f"{type(e).__name__}: {e}", None
+        if pending is not None and error is None:
+            try:
+                self._finish(pending, stats)
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+        return error
+
+    def _commit(self, target: int) -> Optional[str]:
+        """Every stage streamed: an empty update sets the new version on the servers (SGLang sets
+        weight_version only on success), so a failed sync never leaves a server claiming the new one. It also
+        flushes the cache, once per sync (the buckets do not: the servers are paused in between)."""
+        if self.rollout is not None and self.pg is not None:
+            self._loop.run(self.client.update_weights_from_distributed([], [], [], self.group_name, version=target,
+                                                                       flush_cache=self.flush_cache,
+                                                                       timeout=self.timeout), self.timeout + 10)
+        return None
+
+    def _begin(self, target: int) -> Optional[str]:
+        """Rank 0 opens a weight-update session on every server whose release needs one (SGLang 0.5.21+:
+        distributed updates outside one are refused), before any stage streams its first bucket."""
+        if self.rollout is not None and self.pg is not None:
+            self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + 10)
+        return None
+
+    def _end(self, target: int) -> Optional[str]:
+        if self.rollout is not None and self.client is not None:
+            self._loop.run(self.client.end_weight_update(timeout=self.timeout), self.timeout + 10)
+        return None
+
+    def _end_quietly(self) -> None:
+        if self.rollout is None or self.client is None:
+            return
+        try:
+            self._loop.run(self.client.end_weight_update(check=False, timeout=self.timeout), self.timeout + 10)
+        except Exception as e:  # noqa: BLE001 - the sync has failed already; this must not hide why
+            logger.warning("closing the servers' weight-update sessions failed: %s: %s", type(e).__name__, e)
+        if self.client.sessions_open:
+            logger.warning("servers %s may still have a weight-update session open (unreachable); the next "
+                           "sync closes and reopens it", ", ".join(self.client.sessions_open))
+
+    def _start(self, bucket: Any, target: int, stats: dict) -> tuple:
+        """POST the bucket (HTTP thread), then start its broadcast(s) without waiting."""
+        t0 = time.perf_counter()
+        dev = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        order = list(range(len(bucket.names)))
+        if self.load_format == "flattened_bucket":
+            order = aligned_order(bucket.tensors)
+        if self.pg is NO_DATA_PLANE:
+            payload = []  # data_plane="none": only the control messages
+        elif self.load_format == "flattened_bucket":
+            payload = [torch.cat([bucket.tensors[i].reshape(-1).view(torch.uint8) for i in order]).to(dev)]
+        else:
+            payload = [t.to(dev) for t in bucket.tensors]
+        fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
+        fut = self._loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
+            [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order], [bucket.shapes[i] for i in order],
+            self.group_name, load_format=fmt, timeout=self.timeout, flush_cache=False))  # the commit flushes once
+        works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
+        stats["bucket_s"] += time.perf_counter() - t0
+        stats["bytes"] += bucket.nbytes
+        stats["buckets"] += 1
+        return works, fut, payload
+
+    def _finish(self, pending: tuple, stats: dict) -> None:
+        """Wait for a bucket's broadcasts while watching the servers' replies, then for every reply.
+
+        A server that refuses the bucket (400) answers without joining the broadcast, which then cannot
+        complete: its refusal ends the wait at once (the broadcast is abandoned, the group dropped by the
+        failure path), instead of after `trainer.sync_timeout`."""
+        works, fut, payload = pending  # the payload must live until the broadcast is done
+        t0 = time.perf_counter()
+        deadline, nap = t0 + self.timeout, 2e-4
+        while not all(w.is_completed() for w in works):
+            if fut.done() and not fut.cancelled() and fut.exception() is not None:
+                self._abandoned.append((works, payload, self.pg))  # gloo may still be sending from these
+                raise SyncError(f"{fut.exception()} (the bucket's broadcast was abandoned)")
+            if time.perf_counter() > deadline:
+                fut.cancel()
+                self._abandoned.append((works, payload, self.pg))
+                raise SyncError(f"a bucket's broadcast did not complete within trainer.sync_timeout={self.timeout:g}s")
+            concurrent.futures.wait([fut], timeout=nap)  # wakes at once when a reply arrives
+            nap = min(2 * nap, 5e-3)
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:
+            try:  # a server's own answer (refused, 400) says more than the broken broadcast
+                fut.result(1.0)
+            except concurrent.futures.TimeoutError:
+                fut.cancel()
+            except Exception as http:  # noqa: BLE001
+                raise SyncError(f"{http} (broadcast: {type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
+            raise
+        t1 = time.perf_counter()
+        fut.result(self.timeout)
+        stats["broadcast_s"] += t1 - t0
+        stats["server_s"] += time.perf_counter() - t1
+
+    def _abort(self) -> None:
+        if self.pg is not None:  # closing our end makes the servers' pending receives fail at once
+            from mega_async.comm import destroy_custom_process_group
+
+            with contextlib.suppress(Exception):
+                if self.pg is not NO_DATA_PLANE:
+                    destroy_custom_process_group(self.pg)
+            self.pg = None
+            self._group_on_servers = True
+
+    def _after_failure(self) -> None:
+        self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        had = self.pg is not None or self._group_on_servers
+        self._abort()
+        if had and self.client is not None:
+            with contextlib.suppress(Exception):
+                self._loop.run(self.client.destroy_weights_update_group(self.group_name), 2 * self.timeout + 10)
+            self._group_on_servers = False
+
+    def close(self) -> None:
+        self._destroy_group()
+        super().close()
