@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mega_async.checkpoint import check_dist_checkpoint, model_sharded_state_dict
+from mega_async.model_cards import copy_model_files
 
 logger = logging.getLogger("mega_async.convert")
 
@@ -41,13 +42,6 @@ def _barrier() -> None:
 
     if dist.is_initialized():
         dist.barrier()
-
-
-def _copy_model_files(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-            shutil.copy2(f, dst / f.name)
 
 
 def model_tensor_names(names: list[str], models: Any) -> list[str]:
@@ -87,7 +81,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     count = len(model_tensor_names(_SafetensorsDir(src).names(), models))
     if _rank() == 0:
-        _copy_model_files(src, tmp / HF_SUBDIR)
+        copy_model_files(src, tmp / HF_SUBDIR)
         (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,
                                             "source": str(src.resolve()), "hf_tensors": count}, indent=2))
         if out.exists():

@@ -25,6 +25,20 @@ def has_weights(model_dir: str | os.PathLike) -> bool:
     return (d / "model.safetensors").exists() or (d / "model.safetensors.index.json").exists()
 
 
+def copy_model_files(src: str | os.PathLike, dst: str | os.PathLike, skip: tuple[str, ...] = ()) -> None:
+    """An HF directory's files other than its weights (config, tokenizer, chat template, generation config) into
+    `dst`: what every writer of an HF directory copies (the export, the converter, the FP8 quantizer). Names in
+    `skip` are left out too (a writer that rewrites them)."""
+    import shutil
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in Path(src).iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json" \
+                and f.name not in skip:
+            shutil.copy2(f, dst / f.name)
+
+
 def ensure_weights(model_dir: str | os.PathLike, seed: int = 0) -> bool:
     """A card with a config but no weights gets its deterministic random init (seed) in place, once; returns
     whether it was written now. Every driver and launcher calls this one (the tiny CPU cards ship configs only)."""

@@ -203,11 +203,12 @@ def write_checkpoint(src: Any, dst: Any, block: tuple[int, int]) -> Any:
     their weight_scale_inv, config.json with the quantization_config; tokenizer files copied). For tests and
     for serving a bf16 card in FP8."""
     import json
-    import shutil
     from pathlib import Path
 
     from safetensors import safe_open
     from safetensors.torch import save_file
+
+    from mega_async.model_cards import copy_model_files
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
@@ -218,9 +219,6 @@ def write_checkpoint(src: Any, dst: Any, block: tuple[int, int]) -> Any:
         with safe_open(str(f), framework="pt") as sf:
             out.update(quantize_named(((k, sf.get_tensor(k)) for k in sf.keys()), block, skip))
     save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    for f in src.iterdir():
-        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json",
-                                                                                   "model.safetensors.index.json"):
-            shutil.copy2(f, dst / f.name)
+    copy_model_files(src, dst, skip=("config.json",))
     (dst / "config.json").write_text(json.dumps(config_for(config, block), indent=2) + "\n")
     return dst

@@ -22,6 +22,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from mega_async.model_cards import copy_model_files
+
 logger = logging.getLogger("mega_async.trainer.weights")
 
 DEFAULT_BUCKET_BYTES = 512 << 20
@@ -321,9 +323,7 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
             (tmp / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
         if src_dir is not None and Path(src_dir).is_dir():
-            for f in Path(src_dir).iterdir():
-                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
-                    shutil.copy2(f, tmp / f.name)
+            copy_model_files(src_dir, tmp)
         if not (tmp / "config.json").exists():
             rs.bridge.hf_config.save_pretrained(str(tmp))
         config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
