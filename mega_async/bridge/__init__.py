@@ -4,7 +4,8 @@ safetensors into any TP/PP/EP/ETP layout (each rank keeps its shard).
 mbridge supplies the per-family knowledge (TransformerConfig from the HF config, HF <-> Megatron
 name tables, qkv and gate/up packing) behind this small interface, so it can be replaced. Models
 are built by `mega_async.trainer.model`; full tensors are gathered back by the resharder
-(`mega_async.trainer.weights`), which `export_hf_weights` and `save_hf_checkpoint` call.
+(`mega_async.trainer.weights`: `export_hf_weights`, `save_hf_checkpoint`); this package imports nothing from the
+trainer.
 """
 from __future__ import annotations
 

@@ -158,14 +158,15 @@ def _out_of_files(e: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE)
 
 
-CONTROL_CONNECTIONS = 256  # per event loop, for everything but /generate (probes, pause, weight updates)
+CONTROL_PER_SERVER = 8  # connections per server for everything but /generate (probes, pause, weight updates)
 CONNECT_TIMEOUT_S = 30.0  # a TCP connect to a server (not the wait for a free connection of our own)
 
 
-def connection_budget() -> int:
+def connection_budget(servers: int = 1) -> int:
     """Connections one client session may hold for /generate at once. The open-file limit is raised to its hard
     limit first (as SGLang's launcher does); a run has two busy loops (the rollout loop's, the sync's), each with
-    its generation pool and its control pool (CONTROL_CONNECTIONS), and keeps a reserve of 1,024 descriptors for
+    its generation pool and its control pool (CONTROL_PER_SERVER per server, no total limit: a weight update's
+    collective calls need every server's request in flight at once), and keeps a reserve of 1,024 descriptors for
     everything else. Requests beyond it wait for a connection in the client instead of failing with 'Too many
     open files' (16,384 requests in flight did, and every server was marked down)."""
     import resource
@@ -181,7 +182,7 @@ def connection_budget() -> int:
             soft = hard
         except (ValueError, OSError):
             pass
-    return max(64, (soft - 1024 - 2 * CONTROL_CONNECTIONS) // 2)
+    return max(64, (soft - 1024 - 2 * CONTROL_PER_SERVER * servers) // 2)
 
 
 def _wake(fut: asyncio.Future) -> None:
@@ -234,7 +235,7 @@ class SGLangClient:
         # weight sync sets it; None: a behind server waits for the next sync, which includes it)
         self.recover: Any = None
         self._tasks: set = set()
-        self._connections = connection_budget()  # per session (event loop)
+        self._connections = connection_budget(len(self.servers))  # per session (event loop)
         self._emfile_warned = 0.0
         self._rebuild_load()
 
@@ -272,8 +273,10 @@ class SGLangClient:
                 for s in self._sessions.pop(other):
                     s.detach()
                 self._keepers.pop(other, None)
-            pools = tuple(aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n, keepalive_timeout=KEEPALIVE_S))
-                          for n in (self._connections, CONTROL_CONNECTIONS))
+            pools = (aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=self._connections,
+                                                                          keepalive_timeout=KEEPALIVE_S)),
+                     aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=CONTROL_PER_SERVER,
+                                                                          keepalive_timeout=KEEPALIVE_S)))
             self._sessions[loop] = pools
             keeper = self._keep(loop, pools)
             await keeper.asend(None)  # started: the loop's shutdown_asyncgens() (asyncio.run does) closes them

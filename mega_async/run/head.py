@@ -18,7 +18,7 @@ from mega_async.rollout.filters import DynamicFilter
 from mega_async.run.evaluation import Evaluator
 from mega_async.run.metrics import Metrics, RewardTracker, prefixed
 from mega_async.run.tasks import reward_for, rollout_parts
-from mega_async.trainer.dispatch import StepBatch, share_batch
+from mega_async.trainer.dispatch import StepBatch, timed_share
 from mega_async.types import VersionView
 
 logger = logging.getLogger("mega_async.run.loop")  # the step lines are the driver's (the console's progress bar)
@@ -59,11 +59,10 @@ class RolloutHead:
     def record(self, step: int, batch: StepBatch, train: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
         """The step's line in metrics.jsonl (and TensorBoard), the evaluation when due, the console line."""
         step_s = time.monotonic() - self._t0  # since this step's groups() began
-        train_s = step_s - batch.rollout_wait_s - float(sync.get("sync/push_s", 0.0))  # dispatch + update
         stat = self.metrics.log(step, {
             "version": self.version.value, "reward_mean": self.rewards.since_last(batch.reward),
             "batch_reward_mean": batch.reward, "rollout_wait_s": round(batch.rollout_wait_s, 3),
-            "train_s": round(train_s, 3), "step_s": round(step_s, 3),
+            "train_s": round(batch.train_s, 3), "step_s": round(step_s, 3),
             **prefixed("train", train), **sync, **prefixed("executor", self.ex.stats),
             **prefixed("filter", self.flt.stats if self.flt else None),
             **(self.evaluator.maybe_evaluate(step) if self.evaluator else {})})
@@ -106,7 +105,7 @@ def next_batch(head: Optional[RolloutHead], algorithm: Any, group: Any = None) -
     """Every rank: rank 0's head rolls the step's groups out, the trainer's dispatch gives each rank its share."""
     t0 = time.monotonic()
     groups = head.groups() if head is not None else None
-    return share_batch(groups, algorithm, group, rollout_wait_s=time.monotonic() - t0)
+    return timed_share(groups, algorithm, group, rollout_wait_s=time.monotonic() - t0)
 
 
 def rollout_stats(step: int, batch: list[dict], ex: WorkflowExecutor, flt: Optional[DynamicFilter]) -> dict:

@@ -67,7 +67,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
         for step in range(checkpointer.start, cfg.trainer.total_steps):
             batch = next_batch(head, cfg.algorithm, ctrl)
             with events.span("train_step", step=step):
-                train = engine.train_batch(batch.tensors)
+                train = batch.train_on(engine)
             with events.span("sync", phase="push", step=step):
                 pushed = sync.push()
             if head is not None:

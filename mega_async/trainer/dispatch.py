@@ -3,6 +3,7 @@ data-parallel ranks by tokens (whole groups, token-balanced); every rank receive
 (TP/PP/CP peers of a DP rank keep the same share)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -11,11 +12,21 @@ import torch
 
 @dataclass
 class StepBatch:
-    """This rank's share of a step's batch, the trained batch's mean reward and rank 0's wait for it."""
+    """This rank's share of a step's batch, the trained batch's mean reward, rank 0's wait for it, and the time
+    from the end of that wait to the end of the update (advantages, the DP split and train_batch: `train_s`)."""
 
     tensors: dict[str, torch.Tensor]
     reward: float
     rollout_wait_s: float = 0.0
+    dispatch_s: float = 0.0
+    train_s: float = 0.0
+
+    def train_on(self, engine: Any) -> dict[str, Any]:
+        """engine.train_batch on this rank's share; returns its stats and keeps the time in `train_s`."""
+        t0 = time.monotonic()
+        stats = engine.train_batch(self.tensors)
+        self.train_s = self.dispatch_s + time.monotonic() - t0
+        return stats
 
 
 def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
@@ -42,3 +53,12 @@ def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
         payload = box[0]
     groups, shares, reward, wait = payload
     return StepBatch(concat_padded([groups[i] for i in shares[mpu.get_data_parallel_rank()]]), reward, wait)
+
+
+def timed_share(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
+                rollout_wait_s: float = 0.0) -> StepBatch:
+    """share_batch, with the time it took in the batch's `dispatch_s` (part of the step's train_s)."""
+    t0 = time.monotonic()
+    batch = share_batch(groups, algorithm, group, rollout_wait_s)
+    batch.dispatch_s = time.monotonic() - t0
+    return batch

@@ -277,3 +277,40 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
     assert "marked unhealthy" not in r.stderr
+
+
+def test_a_control_call_reaches_every_server_of_a_large_fleet_at_once():
+    """A weight update's collective calls (/init_weights_update_group, each bucket) finish on a server only when
+    every server's request has arrived (they join one group). Here 300 servers answer /server_info only after all
+    300 requests are in: the client's control connections are per server, so none waits for another's."""
+    from aiohttp import web
+
+    n = 300
+
+    async def main():
+        arrived, everyone = [0], asyncio.Event()
+
+        async def info(_request):
+            arrived[0] += 1
+            if arrived[0] == n:
+                everyone.set()
+            await asyncio.wait_for(everyone.wait(), 20)
+            return web.json_response({"version": "0.5.23"})
+
+        app = web.Application()
+        app.router.add_get("/server_info", info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        sites = [web.TCPSite(runner, "127.0.0.1", 0) for _ in range(n)]
+        for site in sites:
+            await site.start()
+        addresses = [f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}" for site in sites]
+        client = SGLangClient(addresses)
+        try:
+            return await client.server_info(timeout=30)
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    infos = asyncio.run(main())
+    assert len(infos) == n and all(i == {"version": "0.5.23"} for i in infos)

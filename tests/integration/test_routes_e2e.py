@@ -9,7 +9,8 @@ import torch
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.launch import ServerLauncher, ServerSpec
 from mega_async.rollout.workflow import trajectory_from_response
-from mega_async.types import ModelRequest
+from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.types import ModelRequest, WeightVersion
 
 PROMPT = [5, 17, 300, 42, 7, 99]
 
@@ -59,10 +60,14 @@ def test_routes_equal_the_transformers_router(routed_server, hf_models):
 def test_interrupted_request_keeps_each_tokens_routes(routed_server, hf_models, weights_root):
     """A request cut after 12 tokens at v0, the servers updated to v1, then resumed by the client (the path an
     abort-mode pause takes; deterministic here): rows before the switch keep v0's routes, the rest are v1's."""
-    client = SGLangClient(routed_server.addresses)
+    version = WeightVersion()
+    client = SGLangClient(routed_server.addresses, version=version.view())
+    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"))
 
-    async def update(v: int) -> None:
-        await client.update_weights(lambda: client.update_weights_from_disk(str(weights_root / f"v{v % 2}"), v), v)
+    async def update(v: int) -> None:  # the sync's pause bracket around loading v{v % 2} at version v
+        sync.path = str(weights_root / f"v{v % 2}")
+        await asyncio.to_thread(sync.push)
+        assert version.value == v
 
     async def main():
         try:
@@ -74,6 +79,7 @@ def test_interrupted_request_keeps_each_tokens_routes(routed_server, hf_models, 
             await update(2)  # back to v0's weights for the rest of the module
             return resp
         finally:
+            sync.close()
             await client.aclose()
 
     resp = asyncio.run(main())

@@ -48,7 +48,7 @@ class GenerateLimits:
     max_new_tokens_cap: int
     tokenizer: Any = None
     max_token_chars: int = 64  # longest vocabulary entry in characters: bounds a text's token count from below
-    max_requests_per_body: int = 1 << 14  # prompts x n of one body (SGLang has no such bound; see README)
+    max_requests_per_body: int = 1 << 14  # prompts x n of one body (SGLang has no such bound; see docs/security.md)
 
 
 @dataclass
