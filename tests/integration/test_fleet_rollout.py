@@ -207,15 +207,24 @@ def test_an_answer_from_a_server_restarted_between_requests_is_dropped_and_sent_
     assert all({int(-lp // 1) for lp in r.output_logprobs} == {5} for r in outs)
 
 
+def _run_limited(code: str) -> None:
+    """Run `code` (it sets its own open-file limit) in a fresh interpreter: it must print ok and no server may be
+    marked unhealthy."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+    assert "marked unhealthy" not in r.stderr
+
+
 def test_more_requests_in_flight_than_open_files_wait_for_connections():
     """16,384 requests in flight once ran the controller out of file descriptors ('Too many open files'), and the
     client marked every server down for it. Here a process limited to 300 open files sends 600 requests at once
     to 8 servers (in the same process: each connection costs two descriptors): they queue for the client's
     connections and all finish, no server is marked down."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = """
 import asyncio, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
@@ -232,10 +241,7 @@ with Fleet(8, FleetConfig(length_median=20, length_sigma=0.0, token_latency_s=0.
     assert all(s.healthy for s in client.servers)
 print("ok")
 """
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
-    assert "marked unhealthy" not in r.stderr
+    _run_limited(code)
 
 
 def test_requests_waiting_for_a_connection_neither_time_out_nor_block_control_calls():
@@ -245,10 +251,6 @@ def test_requests_waiting_for_a_connection_neither_time_out_nor_block_control_ca
     open-file limit leaves the client 64 connections sends 400 requests, each taking ~0.4 s on the server, with
     a 1.5 s request timeout (the last ones wait ~2.5 s for a connection): all finish, no server is marked down,
     and a control call made while most are still waiting is answered before they finish."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
     code = """
 import asyncio, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (1152, 1152))
@@ -273,10 +275,7 @@ with Fleet(4, FleetConfig(length_median=40, length_sigma=0.0, token_latency_s=0.
     assert all(s.healthy for s in client.servers)
 print("ok")
 """
-    root = Path(__file__).resolve().parents[2]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
-    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
-    assert "marked unhealthy" not in r.stderr
+    _run_limited(code)
 
 
 def test_a_control_call_reaches_every_server_of_a_large_fleet_at_once():
