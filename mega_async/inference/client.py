@@ -13,6 +13,7 @@ it). A server that answers 5xx more than `max_retries` times in a row is dropped
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import heapq
@@ -190,6 +191,53 @@ def _wake(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
+class _SendGate:
+    """One event loop's slots for /generate requests on the wire (the loop's connection budget), handed out only
+    while the client is not paused. A request takes a slot before it picks a server and gives it back when its
+    answer is in; one that finds no slot free, or the client paused, waits here in FIFO order, unsent and counted
+    on no server. A slot freed while paused (the servers' abort answers) stays free until resume(): 65,536
+    requests in flight had ~56,000 waiting for a connection inside aiohttp, and each abort answer let one of them
+    out to a paused server (which held it), so the bracket waited for as many new requests as aborts."""
+
+    def __init__(self, limit: int, unpaused: threading.Event):
+        self.free = limit
+        self.unpaused = unpaused
+        self.waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.free > 0 and not self.waiting and self.unpaused.is_set():
+            self.free -= 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting.append(fut)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted as it was cancelled: the slot goes on
+                self.release()
+            raise
+
+    def release(self) -> None:
+        self.free += 1
+        self.wake()
+
+    def wake(self) -> None:
+        """Hand free slots to waiting requests (in this loop's thread; resume() schedules it)."""
+        while self.free > 0 and self.waiting and self.unpaused.is_set():
+            fut = self.waiting.popleft()
+            if not fut.done():  # a cancelled waiter is skipped
+                self.free -= 1
+                fut.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        await self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
 class SGLangClient:
     def __init__(
         self,
@@ -204,6 +252,7 @@ class SGLangClient:
         max_resubmits: int = 1000,
         version: Optional[Version] = None,
         events: Any = None,
+        max_connections: Optional[int] = None,
     ):
         if not addresses:
             raise ValueError("SGLangClient needs at least one server address (host:port)")
@@ -223,6 +272,7 @@ class SGLangClient:
         self._resumed: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}  # per loop: set by resume()
         self._sessions: dict[asyncio.AbstractEventLoop, tuple] = {}  # per event loop: (generate, control)
         self._keepers: dict[asyncio.AbstractEventLoop, Any] = {}
+        self._gates: dict[asyncio.AbstractEventLoop, _SendGate] = {}  # per event loop: /generate's send slots
         self._urls: dict[tuple[str, str], URL] = {}
         self._sticky: dict[str, _Server] = {}
         self._load: list[tuple[int, int]] = []  # heap of (in_flight, server index); stale entries skipped
@@ -235,7 +285,11 @@ class SGLangClient:
         # weight sync sets it; None: a behind server waits for the next sync, which includes it)
         self.recover: Any = None
         self._tasks: set = set()
-        self._connections = connection_budget(len(self.servers))  # per session (event loop)
+        # /generate requests on the wire per event loop (the rest wait in the client): the open-file budget
+        budget = connection_budget(len(self.servers))
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {max_connections}")
+        self._connections = min(budget, max_connections) if max_connections else budget
         self._emfile_warned = 0.0
         self._rebuild_load()
 
@@ -546,19 +600,36 @@ class SGLangClient:
                 deadline = max(back)  # a restarted server is on its way
             await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
 
+    def _gate(self) -> _SendGate:
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            for other in [x for x in self._gates if x.is_closed()]:
+                del self._gates[other]
+            gate = self._gates[loop] = _SendGate(self._connections, self._unpaused)
+        return gate
+
     async def _generate_once(self, rid: str, payload: dict) -> tuple[dict, _Server]:
         """POST /generate with retries; reroutes to another server when one dies. A retry gets its own request
-        id: the server may still hold the first attempt under the old one."""
+        id: the server may still hold the first attempt under the old one. The request holds one of the loop's
+        send slots while it is on the wire, and waits for one unsent (never while the client is paused)."""
         attempt = 0
         first_rid = payload["rid"]
         resent = False
+        gate = self._gate()
         while True:
-            s = await self._choose(rid)
-            self._count(s, 1)
-            try:
-                payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
-                status, body = await self._request("POST", s, "/generate", payload, resend=False)
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+            error: Optional[BaseException] = None
+            async with gate.slot():
+                s = await self._choose(rid)
+                self._count(s, 1)
+                try:
+                    payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
+                    status, body = await self._request("POST", s, "/generate", payload, resend=False)
+                except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
+                    error = e
+                finally:
+                    self._count(s, -1)
+            if (e := error) is not None:  # handled without the slot (the retry waits)
                 attempt += 1
                 if _out_of_files(e):  # ours, not the server's: wait for descriptors to free up
                     if time.monotonic() - self._emfile_warned > 10.0:
@@ -573,8 +644,6 @@ class SGLangClient:
                 self._sticky.pop(rid, None)
                 await asyncio.sleep(self.retry_backoff * min(attempt, 10))
                 continue
-            finally:
-                self._count(s, -1)
             if status >= 500:
                 s.failures += 1
                 attempt += 1
@@ -687,6 +756,9 @@ class SGLangClient:
         for loop, fut in waiting.items():
             with contextlib.suppress(RuntimeError):  # that loop has ended meanwhile
                 loop.call_soon_threadsafe(_wake, fut)
+        for loop, gate in list(self._gates.items()):  # requests held unsent go out
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(gate.wake)
 
     def settle(self, timeout: float, quiet: float = SETTLE_QUIET_S) -> int:
         """After the servers paused (abort mode): block until every aborted request's partial output has come

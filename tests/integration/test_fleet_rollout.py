@@ -313,3 +313,37 @@ def test_a_control_call_reaches_every_server_of_a_large_fleet_at_once():
 
     infos = asyncio.run(main())
     assert len(infos) == n and all(i == {"version": "0.5.23"} for i in infos)
+
+
+def test_requests_not_yet_sent_stay_in_the_client_while_it_is_paused():
+    """65,536 in flight made a 25.7 s pause bracket: most requests were waiting for one of the client's
+    connections, and each abort answer freed one for a waiting request, which went out to the paused server (and
+    waited there). Here 12 requests share 4 connections to one server: the pause aborts the 4 running ones and
+    the 8 unsent stay in the client until resume; then all 12 finish."""
+    with Fleet(1, FleetConfig(length_median=60, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0),
+               in_thread=True) as f:
+        client = SGLangClient(f.addresses, max_connections=4)
+
+        async def main():
+            tasks = [asyncio.ensure_future(client.agenerate(ModelRequest([3, i], max_new_tokens=60, ignore_eos=True)))
+                     for i in range(12)]
+            deadline = time.monotonic() + 10
+            while f.state()[0]["counters"].get("requests", 0) < 4 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            client.pause()
+            await client.pause_generation("abort")
+            await asyncio.sleep(0.3)  # the abort answers are in: their connections are free
+            paused = dict(f.state()[0]["counters"])
+            client.resume()
+            await client.continue_generation()
+            return paused, await asyncio.gather(*tasks)
+
+        paused, out = asyncio.run(main())
+    assert paused["aborted"] == 4 and paused["received"] == 4, paused  # 8 before: 4 more went to the paused server
+    assert all(len(r.output_tokens) == 60 for r in out)
+    assert sum(r.num_interruptions for r in out) == 4
+
+
+def test_max_connections_must_be_positive():
+    with pytest.raises(ValueError, match="max_connections must be at least 1"):
+        SGLangClient(["127.0.0.1:1"], max_connections=0)

@@ -174,7 +174,7 @@ class Fleet:
         return self._call(self._admin[server], "/fleet/recover", {"server": server, "kind": kind})
 
     def state(self) -> list[dict]:
-        """Every server's state and counters (requests, finished, aborted, tokens, buckets, crashes...)."""
+        """Every server's state and counters (received, requests, finished, aborted, tokens, buckets, crashes...)."""
         out: list[dict] = []
         for admin in dict.fromkeys(self._admin.values()):
             out += self._call(admin, "/fleet/state")

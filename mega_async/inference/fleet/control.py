@@ -71,6 +71,7 @@ def _int(body: dict, key: str, default: Any = None) -> Any:
 # ---- generation --------------------------------------------------------------------------------------
 async def generate(s: "SimServer", request: web.BaseRequest) -> Reply:
     body = await s.body(request)
+    s.counters["received"] += 1  # arrived (a paused server holds it before it counts as a request)
     if body.get("stream"):
         raise _bad("the fleet answers non-streaming /generate only (stream=false)")
     ids = body.get("input_ids")
