@@ -60,7 +60,7 @@ def model_tensor_names(names: list[str], models: Any) -> list[str]:
 def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
-    from mega_async.bridge import _SafetensorsDir, load_hf_weights
+    from mega_async.bridge import HFTensors, load_hf_weights
     from mega_async.trainer.model import build_model
 
     src, out = Path(hf_dir), Path(out_dir)
@@ -79,7 +79,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
     dist_checkpointing.save(model_sharded_state_dict(models), str(tmp))
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
-    count = len(model_tensor_names(_SafetensorsDir(src).names(), models))
+    count = len(model_tensor_names(HFTensors(src).names(), models))
     if _rank() == 0:
         copy_model_files(src, tmp / HF_SUBDIR)
         (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,

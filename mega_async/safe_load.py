@@ -18,7 +18,7 @@ import pickle
 import re
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -298,3 +298,74 @@ def _what(e: BaseException) -> str:
         return (f"{msg}; this checkpoint was written for another model (shapes differ): resume with the model "
                 "card it was trained from (model.path)")
     return f"{type(e).__name__}: {msg}"
+
+
+# ---- HF safetensors directories ------------------------------------------------------------------------
+class SafetensorsDir:
+    """The tensors of an HF model directory's *.safetensors files (sharded or not): by name (`names`, `in`,
+    `get`; files opened once, lazily) or streamed file by file (`items`). The one reader of HF weight files: the
+    bridge (Megatron load, conversion) and the embedded server (start-up and disk updates) use it.
+
+    Every file must be a regular file (a FIFO would block the reader forever, a device would stream garbage)
+    and, with `root`, lie inside it once resolved (a symlink out of the weights root is refused before anything
+    is opened). Every refusal and every file safetensors cannot parse (truncated, corrupt header) is one `error`
+    line naming the file."""
+
+    def __init__(self, path: str | Path, root: str | Path | None = None, error: type[Exception] = CheckpointError):
+        self.dir, self._error = Path(path), error
+        self.files = sorted(self.dir.glob("*.safetensors"))
+        if not self.files:
+            raise error(f"no *.safetensors files in {self.dir}: not an HF checkpoint directory")
+        base = Path(root).resolve() if root is not None else None
+        for f in self.files:
+            real = f.resolve()
+            if base is not None and not real.is_relative_to(base):
+                raise error(f"{f} resolves to {real}, outside the allowed weights root {base}")
+            try:
+                mode = real.stat().st_mode
+            except OSError as e:
+                raise error(f"cannot stat {f}: {e}") from None
+            if not stat.S_ISREG(mode):
+                raise error(f"{f} is not a regular file")
+        self._where: dict[str, Path] | None = None
+        self._open: dict[Path, Any] = {}
+
+    def _file(self, f: Path) -> Any:
+        from safetensors import safe_open
+
+        if f not in self._open:
+            try:
+                self._open[f] = safe_open(str(f), framework="pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
+                raise self._error(f"cannot read {f.name}: {type(e).__name__}: {e}") from None
+        return self._open[f]
+
+    def _index(self) -> dict[str, Path]:
+        if self._where is None:
+            self._where = {k: f for f in self.files for k in self._file(f).keys()}
+        return self._where
+
+    def names(self) -> list[str]:
+        return list(self._index())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index()
+
+    def get(self, name: str) -> torch.Tensor:
+        f = self._index()[name]
+        try:
+            return self._file(f).get_tensor(name)
+        except Exception as e:  # noqa: BLE001
+            raise self._error(f"cannot read {name} from {f.name}: {type(e).__name__}: {e}") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor, file by file (each file is closed once read)."""
+        for f in self.files:
+            sf = self._file(f)
+            try:
+                for k in sf.keys():
+                    yield k, sf.get_tensor(k)
+            except Exception as e:  # noqa: BLE001
+                raise self._error(f"cannot read {f.name}: {type(e).__name__}: {e}") from None
+            finally:
+                self._open.pop(f, None)

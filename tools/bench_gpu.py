@@ -139,7 +139,7 @@ def server_gen(dry: bool, batch: int, new_tokens: int) -> dict[str, Any]:
     import torch
 
     from mega_async.inference.client import SGLangClient
-    from mega_async.inference.launch import ServerLauncher, ServerSpec
+    from mega_async.inference.servers import ServerLauncher, ServerSpec
     from mega_async.model_cards import TINY_MOE, init_random_weights
     from mega_async.types import ModelRequest
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import TINY_MOE, init_random_weights
 from mega_async.rollout.workflow import trajectory_from_response
 from mega_async.types import ModelRequest, concat_padded

@@ -48,10 +48,14 @@ def controller(a: argparse.Namespace) -> dict:
     C, B = a.inflight, max(1, a.inflight // (MAX_STALENESS + 1))
     version = WeightVersion()
     marks: dict[str, list[float]] = {}
+    cpu_marks: dict[str, tuple[float, float]] = {}  # phase mark -> (this process's CPU s, the fleet's CPU s)
+    fleet_pids = [int(p) for p in a.fleet_pids.split(",") if p] if a.fleet_pids else []
 
     class Events:  # the sync's timeline, kept in memory (phase -> perf_counter at start/end)
         def emit(self, kind: str, phase: str = "", **_: object) -> None:
             marks.setdefault(f"{kind}:{phase}", []).append(time.perf_counter())
+            if kind.startswith("sync_"):  # who spends the bracket's CPU: the controller or the simulated servers
+                cpu_marks[f"{kind}:{phase}"] = (time.process_time(), cpu_of(fleet_pids))
 
         def span(self, kind: str, phase: str = "", **_: object):
             import contextlib
@@ -154,7 +158,8 @@ def controller(a: argparse.Namespace) -> dict:
                 problems["bad_labels"] += int((torch.floor(-lp).long() != v).sum())
                 problems["too_stale"] += int(v.numel() > 0 and int(v.min()) < now - MAX_STALENESS)
                 problems["decreasing"] += int(v.numel() > 1 and bool((v[1:] < v[:-1]).any()))
-            in_flight = sum(s.in_flight for s in client.servers)
+            in_flight = sum(s.in_flight for s in client.servers)  # requests on the wire
+            running = ex.stats["running"]  # episodes running (on the wire, or held in the client for a connection)
             marks.clear()
             w2 = time.perf_counter()
             sync.push()
@@ -162,6 +167,8 @@ def controller(a: argparse.Namespace) -> dict:
             t3 = thread_cpu()
             by_thread = {k: t3.get(k, 0.0) - t0.get(k, 0.0) for k in t3}
             pause = marks.get("sync_end:pause", [w2])[0] - marks.get("sync_start:pause", [w2])[0]
+            p0, p1 = cpu_marks.get("sync_start:pause", (0.0, 0.0)), cpu_marks.get("sync_end:pause", (0.0, 0.0))
+            cpu_marks.clear()
             cont = marks.get("sync_end:continue", [w3])[0] - marks.get("sync_start:continue", [w3])[0]
             steps.append({"step": step, "wait_s": w1 - w0, "push_s": w3 - w2, "pause_s": pause, "continue_s": cont,
                           "bracket_s": pause + cont, "control_s": marks.get("control", [math.nan])[0],
@@ -169,7 +176,9 @@ def controller(a: argparse.Namespace) -> dict:
                           "cpu_s": time.process_time() - c0, "wall_s": time.perf_counter() - w0,
                           "rollout_cpu_s": by_thread.get("rollout-runner", 0.0) + by_thread.get("main", 0.0),
                           "sync_cpu_s": by_thread.get("sync-http", 0.0),
-                          "consumed": len(batch), "in_flight_at_sync": in_flight})
+                          "pause_cpu_s": p1[0] - p0[0], "pause_fleet_cpu_s": p1[1] - p0[1],
+                          "consumed": len(batch), "in_flight_at_sync": in_flight,
+                          "running_at_sync": running})
             print(json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in steps[-1].items()}),
                   file=sys.stderr, flush=True)
         st = ex.stats
@@ -194,10 +203,11 @@ def controller(a: argparse.Namespace) -> dict:
             "rollout_cpu_per_traj_ms": 1e3 * rollout_cpu / consumed, "sync_cpu_per_step_s": sync_cpu / len(measured),
             "sync_cpu_per_server_step_ms": 1e3 * sync_cpu / len(measured) / len(addresses),
             "traj_per_s": consumed / sum(s["wall_s"] for s in measured), "bracket_s": med("bracket_s"),
-            "pause_s": med("pause_s"), "continue_s": med("continue_s"), "control_s": med("control_s"),
+            "pause_s": med("pause_s"), "pause_cpu_s": med("pause_cpu_s"), "pause_fleet_cpu_s": med("pause_fleet_cpu_s"),
+            "continue_s": med("continue_s"), "control_s": med("control_s"),
             "bracket_max_s": max(s["bracket_s"] for s in measured), "bracket_idle_s": sorted(idle)[1],
             "init_group_s": init_s,
-            "in_flight_at_sync": med("in_flight_at_sync"), "failed": st["failed"], "rejected": st["rejected"],
+            "in_flight_at_sync": med("in_flight_at_sync"), "running_at_sync": med("running_at_sync"), "failed": st["failed"], "rejected": st["rejected"],
             "lost": lost, **problems, "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "threads": threading.active_count(), "per_step": steps}
 
@@ -246,7 +256,8 @@ def run_one(a: argparse.Namespace, variant: str, tree: Path, n: int, c: int, tmp
         cmd = [sys.executable, str(Path(__file__).resolve()), "--controller", "--addresses-file", str(addr),
                "--inflight", str(c), "--json-out", str(out)] + [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in (
                    "steps", "warmup", "buckets", "max_new_tokens", "prompt_tokens", "interrupt")] + [
-                   f"--request-timeout={request_timeout(a, cfg, n, c)}"]
+                   f"--request-timeout={request_timeout(a, cfg, n, c)}",
+                   "--fleet-pids=" + ",".join(str(p.pid) for p in fleet._workers)]
         env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
         fleet_cpu0 = cpu_of([p.pid for p in fleet._workers])
         t0 = time.perf_counter()
@@ -291,7 +302,7 @@ def summary(rows: list[dict]) -> dict:
             cur = next((x for x in rows if x["variant"] == "current" and x["servers"] == r["servers"]
                         and x["inflight"] == r["inflight"]), None)
             if cur:
-                for m in metrics + ("bracket_s", "bracket_idle_s", "control_s"):
+                for m in metrics + ("bracket_s", "pause_s", "bracket_idle_s", "control_s"):
                     out[f"baseline/current {m} at N={r['servers']}, C={r['inflight']}"] = round(r[m] / cur[m], 3)
     return out
 
@@ -321,6 +332,7 @@ def main() -> None:
     ap.add_argument("--addresses-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--request-timeout", type=float, default=600.0, help=argparse.SUPPRESS)
+    ap.add_argument("--fleet-pids", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.controller:
         a.inflight = int(a.inflight)

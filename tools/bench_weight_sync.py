@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from mega_async.comm import free_port, init_custom_process_group
     from mega_async.inference.client import SGLangClient
-    from mega_async.inference.launch import ServerLauncher, ServerSpec
+    from mega_async.inference.servers import ServerLauncher, ServerSpec
     from mega_async.trainer.model import build_model
     from mega_async.trainer.parallel import destroy_parallel_state
     from mega_async.trainer.sync import DistributedWeightSync, RolloutSide

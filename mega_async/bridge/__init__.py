@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mega_async.bridge import fp8
+from mega_async.safe_load import SafetensorsDir
 
 logger = logging.getLogger("mega_async.bridge")
 
@@ -106,7 +107,7 @@ class HFBridge:
         """Every rank reads the HF tensors it needs and keeps its own TP/ETP shard. Returns tensors set."""
         from megatron.core import parallel_state as mpu
 
-        reader = _SafetensorsDir(hf_dir)
+        reader = HFTensors(hf_dir)
         tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
         etp, etp_rank = mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
         n = 0
@@ -140,39 +141,15 @@ class HFBridge:
         return n
 
 
-class _SafetensorsDir:
-    """Lazy access to the tensors of an HF directory (sharded or not), by name."""
+class HFTensors(SafetensorsDir):
+    """An HF directory's tensors by name; an FP8 block checkpoint's (DeepSeek-V3's) weights come dequantized."""
 
     def __init__(self, d: str | os.PathLike):
-        from safetensors import safe_open
-
-        self.dir = Path(d)
-        files = sorted(self.dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {self.dir}: not an HF checkpoint directory")
-        self._where: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    self._where[k] = f
-        self._open: dict[Path, Any] = {}
-        self._safe_open = safe_open
-        self.fp8_block = fp8.dir_block(self.dir)  # FP8 block checkpoints (DeepSeek-V3's) load dequantized
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
+        super().__init__(d)
+        self.fp8_block = fp8.dir_block(self.dir)
 
     def get(self, name: str) -> torch.Tensor:
-        return fp8.dequantize_stored(name, self._raw(name), self._raw, self.fp8_block, self.dir)
-
-    def _raw(self, name: str) -> torch.Tensor:
-        f = self._where[name]
-        if f not in self._open:
-            self._open[f] = self._safe_open(str(f), framework="pt")
-        return self._open[f].get_tensor(name)
-
-    def names(self) -> list[str]:
-        return list(self._where)
+        return fp8.dequantize_stored(name, super().get(name), super().get, self.fp8_block, self.dir)
 
 
 def _unwrap(m: torch.nn.Module) -> torch.nn.Module:

@@ -111,7 +111,7 @@ class InferenceService:
         from transformers import AutoConfig, AutoTokenizer
 
         from mega_async.inference.client import SGLangClient
-        from mega_async.inference.launch import ServerLauncher, ServerSpec
+        from mega_async.inference.servers import ServerLauncher, ServerSpec
         from mega_async.model_cards import ensure_weights
 
         n, tp, ep = server_layout(cfg)
@@ -170,7 +170,7 @@ class ServerSupervisor:
         while not self._stop.wait(self.interval):
             try:
                 for i, rc in self.launcher.exited():
-                    if (i not in self.given_up and not self._stop.is_set() and not self.launcher._stopping
+                    if (i not in self.given_up and not self._stop.is_set() and not self.launcher.stopping
                             and time.monotonic() >= self.not_before[i]):
                         self.check(i, rc)
             except Exception:  # noqa: BLE001 - logged; supervision goes on
@@ -181,7 +181,7 @@ class ServerSupervisor:
         if self.restarts[i] >= self.max_restarts:
             self.given_up.add(i)
             why = (f"its process exited {self.restarts[i] + 1} times (last code {rc}); given up after "
-                   f"inference.max_server_restarts={self.max_restarts} restarts (log: {self.launcher._logs[i]})")
+                   f"inference.max_server_restarts={self.max_restarts} restarts (log: {self.launcher.log_path(i)})")
             logger.error("server %d (%s): %s", i, address, why)
             self.client.drop(address, why)
             return

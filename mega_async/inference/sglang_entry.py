@@ -9,7 +9,7 @@ import os
 import runpy
 import sys
 
-from mega_async.inference.launch import API_KEY_ENV
+from mega_async.inference.servers import API_KEY_ENV
 
 
 def main() -> None:

@@ -34,7 +34,7 @@ def check_inputs(cfg: RunConfig) -> None:
     from pathlib import Path
 
     if cfg.inference.backend == "sglang" and not cfg.inference.addresses:  # we launch them: a tested release
-        from mega_async.inference.launch import untested_sglang
+        from mega_async.inference.servers import untested_sglang
 
         if problem := untested_sglang(cfg.inference.allow_untested_sglang):
             raise ConfigError(problem)

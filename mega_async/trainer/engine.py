@@ -10,7 +10,7 @@ all DP ranks), so the objective is a global token mean whatever the split.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Iterator, Optional
 
 import torch
@@ -59,15 +59,13 @@ class EngineConfig:
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
-        t, a = cfg.trainer, cfg.algorithm
-        return cls(lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
-                   total_steps=t.total_steps, lr_decay=t.lr_decay, grad_clip=t.grad_clip,
-                   max_tokens_per_mb=t.max_tokens_per_mb, ppo_n_minibatches=t.ppo_n_minibatches,
-                   temperature=cfg.rollout.temperature or 1.0, eps_clip=a.eps_clip, eps_clip_high=a.eps_clip_high,
-                   dual_clip=a.dual_clip, behav_imp_weight_cap=a.behav_imp_weight_cap, prox_logp=a.prox_logp,
-                   kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, objective=a.objective,
-                   imp_weight_mode=a.imp_weight_mode, imp_weight_bounds=tuple(a.imp_weight_bounds),
-                   routing_replay=a.routing_replay)
+        """The engine's share of a run config: every field of this class that the trainer or algorithm section
+        defines, by name (no hand-copied list: a key added to both is carried; `test_engine_config` fails on a
+        section key of an engine field's name that is not), and the sampler's temperature."""
+        own = {f.name for f in fields(cls)}
+        kw = {k: getattr(section, k) for section in (cfg.trainer, cfg.algorithm) for k in own if hasattr(section, k)}
+        kw["imp_weight_bounds"] = tuple(kw["imp_weight_bounds"])
+        return cls(**kw, temperature=cfg.rollout.temperature or 1.0)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import TINY_MOE, init_random_weights
 
 

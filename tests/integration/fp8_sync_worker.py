@@ -12,7 +12,7 @@ import torch
 from mega_async.bridge import fp8
 from mega_async.trainer.weights import export_hf_weights
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
 from mega_async.trainer.sync import DiskWeightSync, DistributedWeightSync, RolloutSide
 from mega_async.types import WeightVersion

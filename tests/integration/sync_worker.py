@@ -19,7 +19,7 @@ import time
 import torch
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError

@@ -71,3 +71,19 @@ def test_bench_async_two_variants(tmp_path):
     runs = json.loads((tmp_path / "out" / "runs.json").read_text())["runs"]
     assert [x["steps"] for x in runs] == [3, 3] and all(x["wall_s"] > 0 for x in runs)
     assert (tmp_path / "out" / "plot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_scale_runs_the_controller_and_a_baseline_on_a_small_fleet(tmp_path):
+    """tools/bench_scale.py end to end on 4 fleet servers, 64 in flight, one measured step, the same controller
+    as its own baseline (git archive of HEAD): every figure is there and nothing was lost or mislabelled."""
+    out = tmp_path / "scale.json"
+    r = subprocess.run([sys.executable, "tools/bench_scale.py", "--servers", "4", "--inflight", "64", "--steps", "1",
+                        "--warmup", "0", "--throughput", "400", "--max-new-tokens", "64", "--baseline", "HEAD",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {x["variant"] for x in rows} == {"current", "baseline"}
+    for x in rows:
+        assert x["consumed"] == 16 and x["lost"] == x["duplicates"] == x["bad_labels"] == x["too_stale"] == 0, x
+        assert x["bracket_s"] > 0 and x["control_s"] > 0 and x["cpu_per_traj_ms"] > 0
+        assert x["pause_fleet_cpu_s"] >= 0 and x["running_at_sync"] >= x["in_flight_at_sync"] >= 0

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from mega_async.inference.client import NoHealthyServerError, SGLangClient
-from mega_async.inference.launch import ServerLauncher, ServerSpec, server_command
+from mega_async.inference.servers import ServerLauncher, ServerSpec, server_command
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
 from mega_async.trainer.sync import ReloadWeightSync, RolloutSide

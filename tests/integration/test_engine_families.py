@@ -153,7 +153,7 @@ def test_the_http_server_serves_both_families(model_dir, tmp_path):
     import asyncio
 
     from mega_async.inference.client import SGLangClient
-    from mega_async.inference.launch import ServerLauncher, ServerSpec
+    from mega_async.inference.servers import ServerLauncher, ServerSpec
     from mega_async.types import ModelRequest
 
     spec = ServerSpec("embedded", str(model_dir), weights_root=str(model_dir.parent),

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from mega_async.comm import free_port
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.rollout.executor import RolloutError, WorkflowExecutor
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
 

@@ -60,7 +60,7 @@ def test_fp8_checkpoint_converts_to_mcore_and_back_dequantized(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from mega_async.bridge import _SafetensorsDir
+    from mega_async.bridge import HFTensors
 
     card = fp8.write_checkpoint(init_random_weights(TINY_DEEPSEEK, tmp_path / "bf16", seed=2), tmp_path / "fp8",
                                 (16, 16))
@@ -70,7 +70,7 @@ def test_fp8_checkpoint_converts_to_mcore_and_back_dequantized(tmp_path):
         r = subprocess.run([sys.executable, "-m", "mega_async.cli", "convert", *args], capture_output=True,
                            text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stderr[-3000:]
-    back, reader = load_file(str(tmp_path / "back" / "model.safetensors")), _SafetensorsDir(card)
+    back, reader = load_file(str(tmp_path / "back" / "model.safetensors")), HFTensors(card)
     assert not any(k.endswith("_scale_inv") for k in back)
     assert all(torch.equal(t, reader.get(k).to(t.dtype)) for k, t in back.items())
     assert "quantization_config" not in json.loads((tmp_path / "back" / "config.json").read_text())

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 
 from .conftest import post, ref_logprobs
 

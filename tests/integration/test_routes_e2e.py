@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.rollout.workflow import trajectory_from_response
 from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
 from mega_async.types import ModelRequest, WeightVersion

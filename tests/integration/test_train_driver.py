@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mega_async.inference.launch import ServerLauncher, ServerSpec
+from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import TINY_MOE, derive_card, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]

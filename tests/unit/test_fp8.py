@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.bridge import _SafetensorsDir, fp8
+from mega_async.bridge import HFTensors, fp8
 from mega_async.inference.server.weights import (WeightLoadError, checkpoint_names, load_named_tensors, load_pretrained,
                                                  read_safetensors_dir, updates_dequantized)
 from mega_async.model_cards import TINY_DEEPSEEK, init_random_weights
@@ -107,7 +107,7 @@ def test_the_tiny_fp8_card_and_the_trainers_reader(cards):
     config = json.loads((card / "config.json").read_text())
     assert config["quantization_config"] == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                              "weight_block_size": [16, 16]}
-    reader = _SafetensorsDir(card)
+    reader = HFTensors(card)
     n = 0
     for name, t in stored.items():
         if name.endswith("_scale_inv"):
@@ -139,7 +139,7 @@ def test_the_embedded_server_loads_fp8_dequantized(cards, tmp_path):
     other = fp8.write_checkpoint(init_random_weights(TINY_DEEPSEEK, tmp_path / "o", seed=3), tmp_path / "o8", (16, 16))
     assert load_named_tensors(model, updates_dequantized(model, read_safetensors_dir(other)), strict=True) > 0
     assert torch.equal(dict(checkpoint_names(model))["model.layers.1.mlp.experts.2.up_proj.weight"],
-                       _SafetensorsDir(other).get("model.layers.1.mlp.experts.2.up_proj.weight"))
+                       HFTensors(other).get("model.layers.1.mlp.experts.2.up_proj.weight"))
     with pytest.raises(WeightLoadError, match="float8_e4m3fn but this server was not started on an FP8 block"):
         list(updates_dequantized(plain, read_safetensors_dir(other)))
 

@@ -1,7 +1,7 @@
 """Which SGLang release speaks which weight-sync protocol, and the launcher's refusal of an untested one."""
 import pytest
 
-from mega_async.inference import launch
+from mega_async.inference import servers
 from mega_async.inference.sglang_releases import Release, parse_version, untested_reason
 
 
@@ -31,16 +31,16 @@ def test_launcher_refuses_an_untested_sglang_in_one_line(monkeypatch):
         return version
 
     monkeypatch.setattr(md, "version", installed("0.5.30"))
-    problem = launch.untested_sglang()
+    problem = servers.untested_sglang()
     assert "SGLang 0.5.30 is outside the tested range" in problem and "allow_untested_sglang" in problem
     assert "\n" not in problem
-    assert launch.untested_sglang(allow=True) is None
+    assert servers.untested_sglang(allow=True) is None
     with pytest.raises(RuntimeError, match="outside the tested range"):
-        launch.ServerLauncher(launch.ServerSpec("sglang", "/nonexistent"))
+        servers.ServerLauncher(servers.ServerSpec("sglang", "/nonexistent"))
     monkeypatch.setattr(md, "version", installed("0.5.21"))
-    assert launch.untested_sglang() is None
+    assert servers.untested_sglang() is None
     monkeypatch.setattr(md, "version", installed(None))
-    assert "SGLang is not installed" in launch.untested_sglang()
+    assert "SGLang is not installed" in servers.untested_sglang()
 
 
 def test_flattened_buckets_are_ordered_so_every_tensor_is_aligned():

@@ -7,12 +7,12 @@ Checkpoints (and the trainer's resharder) name MoE experts one by one
 from __future__ import annotations
 
 import re
-import stat
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import torch
-from safetensors import safe_open
+
+from mega_async.safe_load import SafetensorsDir
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -130,44 +130,10 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     return len(targets)
 
 
-def safetensors_files(path: str | Path, root: Optional[str | Path] = None) -> list[Path]:
-    """The *.safetensors files of an HF model directory, each a regular file inside `root` once resolved.
-
-    A symlink whose target lies outside `root`, or anything that is not a regular file (a FIFO would block
-    the reader forever, a device would stream garbage), is refused before anything is opened.
-    """
-    d = Path(path)
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise WeightLoadError(f"no *.safetensors files in {d}")
-    base = Path(root).resolve() if root is not None else None
-    for f in files:
-        real = f.resolve()
-        if base is not None and not real.is_relative_to(base):
-            raise WeightLoadError(f"{f} resolves to {real}, outside the allowed weights root {base}")
-        try:
-            mode = real.stat().st_mode
-        except OSError as e:
-            raise WeightLoadError(f"cannot stat {f}: {e}") from None
-        if not stat.S_ISREG(mode):
-            raise WeightLoadError(f"{f} is not a regular file")
-    return files
-
-
 def read_safetensors_dir(path: str | Path, root: Optional[str | Path] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """All tensors of the *.safetensors files in an HF model directory (see safetensors_files for the checks).
-
-    Any failure to parse a file (truncated, corrupt header) is a WeightLoadError naming the file.
-    """
-    for f in safetensors_files(path, root):
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                for k in sf.keys():
-                    yield k, sf.get_tensor(k)
-        except WeightLoadError:
-            raise
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for corrupt files
-            raise WeightLoadError(f"cannot read {f.name}: {type(e).__name__}: {e}") from None
+    """All tensors of the *.safetensors files in an HF model directory (`safe_load.SafetensorsDir`: each file a
+    regular file inside `root`; any refusal or unreadable file is a WeightLoadError naming the file)."""
+    return SafetensorsDir(path, root, error=WeightLoadError).items()
 
 
 def load_pretrained(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:

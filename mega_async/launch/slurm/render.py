@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mega_async.config import RunConfig
-from mega_async.inference.launch import ServerSpec, server_command
+from mega_async.inference.servers import ServerSpec, server_command
 from mega_async.launch.slurm.plan import JobPlan
 
 LAUNCH_DIR = Path(__file__).resolve().parent / "templates"  # shipped in the package; launch/slurm links here

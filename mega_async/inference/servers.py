@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from mega_async.comm import free_port
 
-logger = logging.getLogger("mega_async.inference.launch")
+logger = logging.getLogger("mega_async.inference.servers")
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -200,6 +200,14 @@ class ServerLauncher:
                 pass
             time.sleep(0.2)
         raise TimeoutError(f"server {i} not healthy after {self.startup_timeout:.0f}s; log: {self._logs[i]}\n{self.log_tail(i)}")
+
+    @property
+    def stopping(self) -> bool:
+        """stop() has begun: no server is restarted any more."""
+        return self._stopping
+
+    def log_path(self, i: int) -> Path:
+        return self._logs[i]
 
     def log_tail(self, i: int, n: int = 20) -> str:
         try:
