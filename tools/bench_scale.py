@@ -30,7 +30,7 @@ MAX_STALENESS = 3
 
 # ---- the controller (runs in its own process, on the variant's mega_async) ------------------------------
 def controller(a: argparse.Namespace) -> dict:
-    import asyncio
+    import gc
     import math
     import random
     import resource
@@ -50,6 +50,17 @@ def controller(a: argparse.Namespace) -> dict:
     marks: dict[str, list[float]] = {}
     cpu_marks: dict[str, tuple[float, float]] = {}  # phase mark -> (this process's CPU s, the fleet's CPU s)
     fleet_pids = [int(p) for p in a.fleet_pids.split(",") if p] if a.fleet_pids else []
+    gc_passes: list[tuple[float, float]] = []  # (end, seconds) of every cyclic-GC pass in this process
+    gc_began = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_began[0] = time.perf_counter()
+        else:
+            now = time.perf_counter()
+            gc_passes.append((now, now - gc_began[0]))
+
+    gc.callbacks.append(on_gc)
 
     class Events:  # the sync's timeline, kept in memory (phase -> perf_counter at start/end)
         def emit(self, kind: str, phase: str = "", **_: object) -> None:
@@ -168,6 +179,9 @@ def controller(a: argparse.Namespace) -> dict:
             by_thread = {k: t3.get(k, 0.0) - t0.get(k, 0.0) for k in t3}
             pause = marks.get("sync_end:pause", [w2])[0] - marks.get("sync_start:pause", [w2])[0]
             p0, p1 = cpu_marks.get("sync_start:pause", (0.0, 0.0)), cpu_marks.get("sync_end:pause", (0.0, 0.0))
+            b0, b1 = marks.get("sync_start:pause", [w2])[0], marks.get("sync_end:continue", [w3])[0]
+            gc_step = sum(d for end, d in gc_passes if w0 <= end <= w3)
+            gc_bracket = sum(d for end, d in gc_passes if b0 <= end <= b1)
             cpu_marks.clear()
             cont = marks.get("sync_end:continue", [w3])[0] - marks.get("sync_start:continue", [w3])[0]
             steps.append({"step": step, "wait_s": w1 - w0, "push_s": w3 - w2, "pause_s": pause, "continue_s": cont,
@@ -177,6 +191,7 @@ def controller(a: argparse.Namespace) -> dict:
                           "rollout_cpu_s": by_thread.get("rollout-runner", 0.0) + by_thread.get("main", 0.0),
                           "sync_cpu_s": by_thread.get("sync-http", 0.0),
                           "pause_cpu_s": p1[0] - p0[0], "pause_fleet_cpu_s": p1[1] - p0[1],
+                          "gc_s": gc_step, "bracket_gc_s": gc_bracket,
                           "consumed": len(batch), "in_flight_at_sync": in_flight,
                           "running_at_sync": running})
             print(json.dumps({k: round(x, 4) if isinstance(x, float) else x for k, x in steps[-1].items()}),
@@ -204,6 +219,7 @@ def controller(a: argparse.Namespace) -> dict:
             "sync_cpu_per_server_step_ms": 1e3 * sync_cpu / len(measured) / len(addresses),
             "traj_per_s": consumed / sum(s["wall_s"] for s in measured), "bracket_s": med("bracket_s"),
             "pause_s": med("pause_s"), "pause_cpu_s": med("pause_cpu_s"), "pause_fleet_cpu_s": med("pause_fleet_cpu_s"),
+            "gc_s": med("gc_s"), "bracket_gc_s": med("bracket_gc_s"),
             "continue_s": med("continue_s"), "control_s": med("control_s"),
             "bracket_max_s": max(s["bracket_s"] for s in measured), "bracket_idle_s": sorted(idle)[1],
             "init_group_s": init_s,
