@@ -242,7 +242,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
                 run_dir / "rl_prompts.jsonl")
     torch.manual_seed(cfg.seed)
     init_distributed()
-    engine = MegatronTrainEngine(start, parse_allocation("megatron:d1"), EngineConfig(
+    engine = MegatronTrainEngine(start, parse_allocation("megatron:d1"), EngineConfig.of(
         lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, total_steps=t.steps,
         lr_decay=t.lr_decay, grad_clip=t.grad_clip, max_tokens_per_mb=t.max_tokens_per_mb, loss="sft",
         label_smoothing=t.label_smoothing))

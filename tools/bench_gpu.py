@@ -104,7 +104,7 @@ def train_step(dry: bool, steps: int, seqs: int, seq_len: int) -> dict[str, Any]
     model_mod.build_model = random_weights
     try:
         eng = MegatronTrainEngine(str(_model_dir(c)), "megatron:d1",
-                                  EngineConfig(lr=1e-5, prox_logp="behavior", max_tokens_per_mb=min(16384, seqs * seq_len),
+                                  EngineConfig.of(lr=1e-5, prox_logp="behavior", max_tokens_per_mb=min(16384, seqs * seq_len),
                                                total_steps=steps + 1),
                                   dtype=torch.float32 if dry else torch.bfloat16)
     finally:

@@ -69,15 +69,15 @@ def main() -> None:
         launcher.stop()
     batch = concat_padded(trajs)
     batch["advantages"] = torch.randn(batch["input_ids"].shape[0], generator=torch.Generator().manual_seed(1))
-    eng = MegatronTrainEngine(model, "megatron:d1", EngineConfig(lr=1e-7, prox_logp="recompute"))
+    eng = MegatronTrainEngine(model, "megatron:d1", EngineConfig.of(lr=1e-7, prox_logp="recompute"))
     res: dict = {"sequences": args.n, "output_tokens": int(batch["loss_mask"].sum())}
     for replay in (False, True):
-        eng.cfg.routing_replay = eng.routing.replay = replay
+        eng.cfg.algorithm.routing_replay = eng.routing.replay = replay
         res["replay_on" if replay else "replay_off"] = mismatch(eng, batch)
     times = {False: [], True: []}
     for _ in range(args.reps):  # interleaved, so load changes hit both alike
         for replay in (False, True):
-            eng.cfg.routing_replay = eng.routing.replay = replay
+            eng.cfg.algorithm.routing_replay = eng.routing.replay = replay
             t0 = time.perf_counter()
             eng.train_batch(batch)
             times[replay].append(time.perf_counter() - t0)

@@ -10,13 +10,14 @@ all DP ranks), so the objective is a global token mean whatever the split.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty, sft_loss
+from mega_async.config import AlgorithmConfig, TrainerConfig
 from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
 from mega_async.trainer.routing import RouteReplay
 from mega_async.types import Version, WeightVersion
@@ -30,42 +31,36 @@ _UNSCALED = ("n_tokens", "lp_mismatch_sum", "lp_mismatch_n")  # sums not divided
 
 @dataclass
 class EngineConfig:
-    lr: float = 1e-5
-    min_lr: float = 0.0
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    lr_decay: str = "constant"  # constant | linear | cosine
-    grad_clip: float = 1.0
+    """What the trainer engine reads: the run's `trainer` and `algorithm` config sections themselves (not a
+    mirror of their keys), the sampler's temperature (logprobs are scaled like the sampler's), and what only the
+    SFT entry point (`loss`, `label_smoothing`) and the optimizer's defaults (`adam_eps`) set."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    temperature: float = 1.0
     adam_eps: float = 1e-8
-    max_tokens_per_mb: int = 4096
-    ppo_n_minibatches: int = 1
-    temperature: float = 1.0  # logprobs scaled like the sampler
-    eps_clip: float = 0.2
-    eps_clip_high: Optional[float] = None
-    dual_clip: Optional[float] = None
-    behav_imp_weight_cap: Optional[float] = 5.0
-    prox_logp: str = "recompute"  # recompute | loglinear | linear | behavior
-    kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || frozen initial policy) per token to the loss
-    kl_estimator: str = "k3"  # k1 | k2 | k3
-    objective: str = "token"  # token | gspo (algo.loss)
-    imp_weight_mode: str = "cap_mask"  # cap_mask | icepop | seq_mask | tis
-    imp_weight_bounds: tuple[float, float] = (0.5, 5.0)
-    routing_replay: bool = False  # R3: MoE routers replay the rollout's experts (batch key routed_experts)
-    # ppo: the RL objective above | sft: cross-entropy of the loss-mask tokens (no proximal/reference policy,
-    # advantages, behaviour logprobs or versions are read; mega_async.sft)
+    # ppo: the RL objective (algorithm section) | sft: cross-entropy of the loss-mask tokens (no proximal or
+    # reference policy, advantages, behaviour logprobs or versions are read; mega_async.sft)
     loss: str = "ppo"
     label_smoothing: float = 0.0  # sft: weight of the uniform distribution over the vocabulary in the target
 
     @classmethod
     def from_run_config(cls, cfg: Any) -> "EngineConfig":
-        """The engine's share of a run config: every field of this class that the trainer or algorithm section
-        defines, by name (no hand-copied list: a key added to both is carried; `test_engine_config` fails on a
-        section key of an engine field's name that is not), and the sampler's temperature."""
-        own = {f.name for f in fields(cls)}
-        kw = {k: getattr(section, k) for section in (cfg.trainer, cfg.algorithm) for k in own if hasattr(section, k)}
-        kw["imp_weight_bounds"] = tuple(kw["imp_weight_bounds"])
-        return cls(**kw, temperature=cfg.rollout.temperature or 1.0)
+        return cls(cfg.trainer, cfg.algorithm, temperature=cfg.rollout.temperature or 1.0)
+
+    @classmethod
+    def of(cls, **kw: Any) -> "EngineConfig":
+        """Flat keywords, each to the section that defines it: `EngineConfig.of(lr=0.05, prox_logp="behavior")`
+        (tests, tools and the SFT entry point). An unknown key is a TypeError naming it."""
+        own = {f.name for f in fields(cls)} - {"trainer", "algorithm"}
+        t, a = {f.name for f in fields(TrainerConfig)}, {f.name for f in fields(AlgorithmConfig)}
+        unknown = sorted(set(kw) - own - t - a)
+        if unknown:
+            raise TypeError(f"EngineConfig.of: unknown key(s) {unknown}; the engine's keys are the trainer and "
+                            f"algorithm config sections' and {sorted(own)}")
+        def pick(keys: set[str]) -> dict[str, Any]:
+            return {k: v for k, v in kw.items() if k in keys}
+
+        return cls(TrainerConfig(**pick(t)), AlgorithmConfig(**pick(a)), **pick(own))
 
 
 @dataclass
@@ -122,22 +117,23 @@ class MegatronTrainEngine:
         self.bridge = self.models[0]._mega_async_bridge
         # the reference policy for the KL penalty: a frozen copy of the initial weights, same layout
         self.ref_models: list[torch.nn.Module] = []
-        if cfg.kl_coef > 0:
+        if cfg.algorithm.kl_coef > 0:
             self.ref_models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
             for m in self.ref_models:
                 m.eval()
                 m.requires_grad_(False)
         ddp_cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
         self.ddp = [DistributedDataParallel(config=m.config, ddp_config=ddp_cfg, module=m) for m in self.models]
+        t = cfg.trainer
         self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                            clip_grad=cfg.grad_clip, adam_eps=cfg.adam_eps, use_distributed_optimizer=True,
+            OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+                            clip_grad=t.grad_clip, adam_eps=cfg.adam_eps, use_distributed_optimizer=True,
                             bf16=dtype is torch.bfloat16, params_dtype=dtype), self.ddp)
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if cfg.warmup_steps else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
-            lr_warmup_steps=cfg.warmup_steps, lr_decay_steps=max(cfg.total_steps, cfg.warmup_steps + 1),
-            lr_decay_style=cfg.lr_decay, start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
-            wd_incr_steps=max(cfg.total_steps, 1), wd_incr_style="constant")
+            self.optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps, lr_decay_steps=max(t.total_steps, t.warmup_steps + 1),
+            lr_decay_style=t.lr_decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
+            wd_incr_steps=max(t.total_steps, 1), wd_incr_style="constant")
         self.pp = mpu.get_pipeline_model_parallel_world_size()
         self.tp = mpu.get_tensor_model_parallel_world_size()
         if cfg.label_smoothing and (self.tp > 1 or cfg.loss != "sft"):
@@ -149,10 +145,11 @@ class MegatronTrainEngine:
         self._measure = False  # the first mini-batch's forward (pre-update weights) measures train/rollout mismatch
         self._lp_mismatch_max = 0.0
         self.routing: Optional[RouteReplay] = None
-        if cfg.routing_replay and not self.bridge.is_moe:
+        if cfg.algorithm.routing_replay and not self.bridge.is_moe:
             raise ValueError("algorithm.routing_replay=true needs an MoE model; this one is dense")
         if self.bridge.is_moe:
-            self.routing = RouteReplay(self.models, int(self.bridge.hf_config.num_hidden_layers), cfg.routing_replay)
+            self.routing = RouteReplay(self.models, int(self.bridge.hf_config.num_hidden_layers),
+                                       cfg.algorithm.routing_replay)
 
     # ---- batching ----------------------------------------------------------------------------
     def _rows(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -192,10 +189,10 @@ class MegatronTrainEngine:
         lengths = [rows[i]["ids"].numel() for i in idx]
         align = seq_alignment(self.tp, self.cp)
         padded = [-(-n // align) * align for n in lengths]
-        count = torch.tensor(len(allocate_micro_batches(padded, self.cfg.max_tokens_per_mb, self.pp)))
+        count = torch.tensor(len(allocate_micro_batches(padded, self.cfg.trainer.max_tokens_per_mb, self.pp)))
         if dist.is_initialized():  # every DP rank runs the same number of micro-batches
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        groups = allocate_micro_batches(padded, self.cfg.max_tokens_per_mb, self.pp, min_count=int(count))
+        groups = allocate_micro_batches(padded, self.cfg.trainer.max_tokens_per_mb, self.pp, min_count=int(count))
         mbs = []
         for g in groups:
             sel = [rows[idx[j]] for j in g]
@@ -338,22 +335,22 @@ class MegatronTrainEngine:
         `advantages` [n] or [n, L]); returns stats averaged over the global batch."""
         from megatron.core import parallel_state as mpu
 
-        c = self.cfg
-        if c.routing_replay and "routed_experts" not in batch:
+        c, a, minibatches = self.cfg, self.cfg.algorithm, self.cfg.trainer.ppo_n_minibatches
+        if a.routing_replay and "routed_experts" not in batch:
             raise ValueError("algorithm.routing_replay=true but the batch has no routed_experts: the servers must "
                              "return them (SGLang: --enable-return-routed-experts)")
-        if c.prox_logp == "recompute" and c.loss == "ppo":
+        if a.prox_logp == "recompute" and c.loss == "ppo":
             batch = {**batch, "prox_logprobs": self.compute_logprobs(batch)}
-        if c.kl_coef > 0 and c.loss == "ppo":
+        if a.kl_coef > 0 and c.loss == "ppo":
             batch = {**batch, "ref_logprobs": self.compute_logprobs(batch, reference=True)}
         rows = self._rows(batch)
         n = len(rows)
-        if n < c.ppo_n_minibatches:
-            raise ValueError(f"{n} sequences cannot form {c.ppo_n_minibatches} PPO mini-batches")
+        if n < minibatches:
+            raise ValueError(f"{n} sequences cannot form {minibatches} PPO mini-batches")
         acc: dict[str, torch.Tensor] = {}
         grad_norms = []
-        for mini in range(c.ppo_n_minibatches):
-            idx = list(range(mini, n, c.ppo_n_minibatches))
+        for mini in range(minibatches):
+            idx = list(range(mini, n, minibatches))
             mbs = self._micro_batches(rows, idx)
             for m in self.ddp:
                 m.zero_grad_buffer()
@@ -416,28 +413,28 @@ class MegatronTrainEngine:
     def _ppo_loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
         from mega_async.trainer.logprobs import vocab_parallel_logprobs
 
-        c = self.cfg
+        a = self.cfg.algorithm
         dev = logits.device
-        logp, ent = vocab_parallel_logprobs(logits, mb.labels.to(dev), c.temperature, with_entropy=True)
+        logp, ent = vocab_parallel_logprobs(logits, mb.labels.to(dev), self.cfg.temperature, with_entropy=True)
         behav, mask = mb.behav.to(dev), mb.loss_mask.to(dev)
-        if c.prox_logp in ("loglinear", "linear"):
-            prox = approximate_proximal_logprobs(behav, logp, mb.versions.to(dev), self.version, c.prox_logp)
-        elif c.prox_logp == "behavior":
+        if a.prox_logp in ("loglinear", "linear"):
+            prox = approximate_proximal_logprobs(behav, logp, mb.versions.to(dev), self.version, a.prox_logp)
+        elif a.prox_logp == "behavior":
             prox = behav
         else:
             prox = mb.prox.to(dev)
-        loss, st = decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, eps_clip=c.eps_clip,
-                                      eps_clip_high=c.eps_clip_high, behav_imp_weight_cap=c.behav_imp_weight_cap,
-                                      dual_clip=c.dual_clip, denominator=1.0,  # a token sum
-                                      objective=c.objective, imp_weight_mode=c.imp_weight_mode,
-                                      imp_weight_bounds=c.imp_weight_bounds, seq_ids=_seq_ids(mb, c, dev))
+        loss, st = decoupled_ppo_loss(logp, prox, behav, mb.advantages.to(dev), mask, eps_clip=a.eps_clip,
+                                      eps_clip_high=a.eps_clip_high, behav_imp_weight_cap=a.behav_imp_weight_cap,
+                                      dual_clip=a.dual_clip, denominator=1.0,  # a token sum
+                                      objective=a.objective, imp_weight_mode=a.imp_weight_mode,
+                                      imp_weight_bounds=tuple(a.imp_weight_bounds), seq_ids=_seq_ids(mb, a, dev))
         n = mask.sum()
         kl_sum = torch.zeros((), device=dev)
-        if c.kl_coef > 0:
+        if a.kl_coef > 0:
             # outside the mask the reference is set equal to the policy: KL 0 there, and no inf x 0 from k3's exp
             ref = torch.where(mask.bool(), mb.ref.to(dev), logp.detach())
-            kl_sum = (kl_penalty(logp, ref, c.kl_estimator) * mask).sum()
-            loss = loss + c.kl_coef * kl_sum
+            kl_sum = (kl_penalty(logp, ref, a.kl_estimator) * mask).sum()
+            loss = loss + a.kl_coef * kl_sum
         with torch.no_grad():
             contrib = {"loss": loss.detach(), "n_tokens": n, "entropy": (ent * mask).sum(), "kl_ref": kl_sum.detach(),
                        "staleness": ((self.version - mb.versions.to(dev)).clamp(min=0) * mask).sum(),
@@ -487,9 +484,9 @@ def _cat_routes(rows: list[dict[str, torch.Tensor]], p: Packed) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _seq_ids(mb: MicroBatch, c: EngineConfig, dev: torch.device) -> Optional[torch.Tensor]:
+def _seq_ids(mb: MicroBatch, a: AlgorithmConfig, dev: torch.device) -> Optional[torch.Tensor]:
     """Sequence index of every packed token, for the sequence-level objectives (gspo, seq_mask; CP is refused)."""
-    if c.objective != "gspo" and c.imp_weight_mode != "seq_mask":
+    if a.objective != "gspo" and a.imp_weight_mode != "seq_mask":
         return None
     pl = torch.tensor(mb.packed.padded_lengths)
     ids = torch.arange(len(pl)).repeat_interleave(pl)

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    cfg = EngineConfig(lr=0.05, adam_eps=1e-3, grad_clip=0.0, warmup_steps=2, total_steps=10, lr_decay="cosine",
+    cfg = EngineConfig.of(lr=0.05, adam_eps=1e-3, grad_clip=0.0, warmup_steps=2, total_steps=10, lr_decay="cosine",
                        prox_logp="recompute")
     eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(1))
     if args.mode == "save":

@@ -49,7 +49,7 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
     from safetensors.torch import save_file
 
-    cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", behav_imp_weight_cap=5.0)
+    cfg = EngineConfig.of(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", behav_imp_weight_cap=5.0)
     eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(2))
     batch = synthetic_batch()
     logits = full_logits(eng, batch)

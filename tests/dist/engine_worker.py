@@ -58,7 +58,7 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
     from safetensors.torch import save_file
 
-    cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=args.max_tokens_per_mb,
+    cfg = EngineConfig.of(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=args.max_tokens_per_mb,
                        prox_logp=args.prox, behav_imp_weight_cap=5.0, eps_clip=0.2, kl_coef=args.kl_coef,
                        kl_estimator=args.kl_estimator)
     eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(2))

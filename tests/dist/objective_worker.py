@@ -24,7 +24,7 @@ def main() -> None:
     a = ap.parse_args()
     kw = dict(objective=a.objective, imp_weight_mode=a.mode, imp_weight_bounds=(0.5, 2.0), behav_imp_weight_cap=5.0,
               eps_clip=0.2)
-    cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=a.max_tokens_per_mb, prox_logp=a.prox,
+    cfg = EngineConfig.of(lr=0.05, adam_eps=1.0, grad_clip=0.0, max_tokens_per_mb=a.max_tokens_per_mb, prox_logp=a.prox,
                        **kw)
     eng = MegatronTrainEngine(a.model, "megatron:d1", cfg, version=WeightVersion(2))
     batch = synthetic_batch()

@@ -74,7 +74,7 @@ def main() -> None:
     from megatron.core import parallel_state as mpu
     from safetensors.torch import save_file
 
-    cfg = EngineConfig(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", routing_replay=False)
+    cfg = EngineConfig.of(lr=0.05, adam_eps=1.0, grad_clip=0.0, prox_logp="recompute", routing_replay=False)
     eng = MegatronTrainEngine(args.model, args.layout, cfg, version=WeightVersion(VERSION))
     batch = synthetic_batch()
     batch["versions"][batch["loss_mask"].bool()] = VERSION  # every output token from the current weights
@@ -86,7 +86,7 @@ def main() -> None:
            "foreign_off": eng.routing_mismatch({**batch, "routed_experts": foreign}),
            "rebiased_off": eng.routing_mismatch({**batch, "routed_experts": rebiased})}
     lp_free = eng.compute_logprobs({**batch, "routed_experts": foreign})
-    eng.cfg.routing_replay = eng.routing.replay = True
+    eng.cfg.algorithm.routing_replay = eng.routing.replay = True
     res["same_on"] = eng.routing_mismatch({**batch, "routed_experts": same})
     res["foreign_on"] = eng.routing_mismatch({**batch, "routed_experts": foreign})
     res["rebiased_on"] = eng.routing_mismatch({**batch, "routed_experts": rebiased})

@@ -31,7 +31,7 @@ def main() -> None:
     ref.backward()
     opt.step()
     init_distributed()
-    eng = MegatronTrainEngine(a.model, "megatron:d1", EngineConfig(lr=1e-3, grad_clip=0.0, loss="sft",
+    eng = MegatronTrainEngine(a.model, "megatron:d1", EngineConfig.of(lr=1e-3, grad_clip=0.0, loss="sft",
                                                                     label_smoothing=a.label_smoothing))
     stats = eng.train_batch(batch)
     mine, theirs = dict(eng.export_hf_weights()), hf.state_dict()
