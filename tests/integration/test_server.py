@@ -315,15 +315,26 @@ def test_settle_waits_for_aborted_outputs_not_for_requests_held_by_the_pause(ser
         partial = ModelResponse(input_tokens=list(PROMPT))  # extended in place as outputs arrive
         running = asyncio.create_task(client.agenerate(long, resume=partial))
         await asyncio.sleep(0.7)
+        # the race: a request takes its send slot just before the pause (a request that has none waits in the
+        # client while paused), and reaches the server after /pause_generation
+        late, choose = asyncio.Event(), client._choose
+
+        async def choose_late(rid):
+            if rid == "settle-b":
+                await late.wait()
+            return await choose(rid)
+
+        client._choose = choose_late
+        held = asyncio.create_task(client._generate_once("settle-b", {
+            "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
+            "return_logprob": True, "rid": "settle-b"}))
+        await asyncio.sleep(0.05)  # it holds its slot
         client.pause()
         await client.pause_generation()
-        held = None
         try:  # the module's server is shared: never leave it paused
             aborted_back = await asyncio.to_thread(client.settle, 60.0, 0.5)  # the aborted output came back
             got = len(partial.output_tokens)
-            held = asyncio.create_task(client._generate_once("settle-b", {  # sent while paused, as in the race
-                "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
-                "return_logprob": True, "rid": "settle-b"}))
+            late.set()  # sent while paused
             while not sum(x.in_flight for x in client.servers):
                 await asyncio.sleep(0.01)
             t0 = time.monotonic()
