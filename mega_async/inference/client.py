@@ -229,14 +229,6 @@ class _SendGate:
                 self.free -= 1
                 fut.set_result(None)
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release()
-
 
 class SGLangClient:
     def __init__(
@@ -619,7 +611,11 @@ class SGLangClient:
         gate = self._gate()
         while True:
             error: Optional[BaseException] = None
-            async with gate.slot():
+            # acquire/release, not an async-generator context manager: asyncio.run's shutdown_asyncgens may close
+            # that generator under a task still inside it, and its exit then raised "generator didn't stop after
+            # athrow()" in place of the task's own error (e.g. the one naming the dead server)
+            await gate.acquire()
+            try:
                 s = await self._choose(rid)
                 self._count(s, 1)
                 try:
@@ -629,6 +625,8 @@ class SGLangClient:
                     error = e
                 finally:
                     self._count(s, -1)
+            finally:
+                gate.release()
             if (e := error) is not None:  # handled without the slot (the retry waits)
                 attempt += 1
                 if _out_of_files(e):  # ours, not the server's: wait for descriptors to free up

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Optional
+from typing import Any, Awaitable, Callable, Optional
 
 import torch
 
@@ -27,6 +27,20 @@ class RolloutWorkflow(ABC):
         ...
 
 
+async def gather_or_cancel(*aws: Awaitable[Any]) -> list[Any]:
+    """asyncio.gather that, when one fails or it is cancelled, cancels the others and waits for them before it
+    raises: a plain gather leaves them running, and their errors were logged as "never retrieved" after the
+    run's own last line (a dead server's group members each failed on their own)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class GroupWorkflow(RolloutWorkflow):
     """Run `group_size` episodes of `workflow` on the same item concurrently (GRPO groups).
 
@@ -40,7 +54,7 @@ class GroupWorkflow(RolloutWorkflow):
         self.group_size = group_size
 
     async def arun_episode(self, engine: Any, data: Any) -> Optional[dict]:
-        results = await asyncio.gather(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))
+        results = await gather_or_cancel(*(self.workflow.arun_episode(engine, data) for _ in range(self.group_size)))
         kept = [r for r in results if r is not None]
         if not kept:
             return None

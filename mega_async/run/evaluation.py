@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Optional
 
 from mega_async.reward import RewardRunner
-from mega_async.rollout.workflow import RLVRWorkflow
+from mega_async.rollout.workflow import RLVRWorkflow, gather_or_cancel
 from mega_async.types import ModelRequest
 
 logger = logging.getLogger("mega_async.run.evaluation")
@@ -67,7 +67,7 @@ class Evaluator:
             async with sem:
                 return await self._score(item)
 
-        return await asyncio.gather(*(one(it) for it in self.items))
+        return await gather_or_cancel(*(one(it) for it in self.items))
 
     async def _score(self, item: dict[str, Any]) -> tuple[float, int, bool, bool]:
         """(score, output tokens, truncated, reward failed) of one greedy generation."""

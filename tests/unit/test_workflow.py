@@ -105,6 +105,43 @@ def test_group_workflow_concat_and_partial_rejection():
         GroupWorkflow(wf, 0)
 
 
+def test_group_member_error_cancels_the_others_and_leaves_no_unretrieved_error():
+    """A member's engine error (e.g. no live server) ends the group: the members still generating are cancelled
+    and awaited, so no "Task exception was never retrieved" lands on stderr after the run's own error line."""
+    cancelled = []
+
+    class DeadAfterOne:
+        def __init__(self):
+            self.n = 0
+
+        async def agenerate(self, req):
+            self.n += 1
+            me = self.n
+            if me == 1:
+                await asyncio.sleep(0)
+                raise RuntimeError("no live server")
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                cancelled.append(me)
+                raise
+
+    unretrieved = []
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: unretrieved.append(ctx["message"]))
+        wf = GroupWorkflow(RLVRWorkflow(lambda **_: 1.0, max_new_tokens=4), group_size=3)
+        with pytest.raises(RuntimeError, match="no live server"):
+            await wf.arun_episode(DeadAfterOne(), {"input_ids": [1, 2]})
+        assert sorted(cancelled) == [2, 3]  # not left running
+        import gc
+        gc.collect()
+        await asyncio.sleep(0)
+
+    run(main())
+    assert unretrieved == []
+
+
 def test_prompt_encoding_needs_tokenizer():
     wf = RLVRWorkflow(lambda p, c, **_: 0.0)
     with pytest.raises(ValueError, match="no tokenizer"):
