@@ -43,7 +43,8 @@ except ImportError:  # pragma: no cover - optional
         return json.dumps(body, separators=(",", ":")).encode()
 
 from mega_async.events import NullEventLog
-from mega_async.inference.sglang_releases import BEGIN_TWICE, Release, untested_reason
+from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, Release, session_refusal,
+                                                   untested_reason)
 from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, Version, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
@@ -189,6 +190,13 @@ def connection_budget(servers: int = 1) -> int:
 def _wake(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def _lost_state(message: str) -> bool:
+    """A server's refusal saying it no longer has the session or group this sync opened on it: the process was
+    restarted during the sync (a new one has neither) and holds its launch weights."""
+    return (END_WITHOUT_BEGIN in message or session_refusal("update_weights_from_distributed") in message
+            or "no weight update group" in message)
 
 
 class _SendGate:
@@ -411,10 +419,13 @@ class SGLangClient:
         try:
             status, _ = await self._request("GET", s, "/health", timeout=2.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            status = None
+        if status != 200:
+            s.behind = False  # a behind server that went down again is down: no sync target until it answers
             return False
-        if status == 200 and not s.healthy and s.dropped is None:
+        if not s.healthy and s.dropped is None:
             await self._readmit(s)
-        return status == 200 and s.healthy
+        return s.healthy
 
     async def _readmit(self, s: _Server) -> None:
         """A server answering /health again generates only with the weights the last sync set: a restarted
@@ -882,6 +893,62 @@ class SGLangClient:
         await self._post_all("/update_weights_from_distributed", body, timeout=timeout,
                              servers=self._group if self._group is not None else self.sync_targets())
 
+    async def commit_distributed(self, group_name: str, version: int | str, *, flush_cache: bool = True,
+                                 timeout: Optional[float] = None) -> list[str]:
+        """The sync's commit: an empty /update_weights_from_distributed that sets `version` on every server of
+        the group (SGLang sets weight_version only on success). Every bucket reached every server before it, so
+        a server lost since (unreachable, or a new process that no longer has this sync's session or group) is
+        left out rather than failing the others: it is marked down or behind and comes back through recovery or
+        the next sync. Returns the servers lost; raises ServerError for any other refusal, or when none is left."""
+        body: dict[str, Any] = {"names": [], "dtypes": [], "shapes": [], "group_name": group_name,
+                                "flush_cache": flush_cache, "weight_version": str(version)}
+        servers = self._group if self._group is not None else self.sync_targets()
+        lost: list[str] = []
+
+        async def one(s: _Server) -> Optional[str]:
+            try:
+                status, out = await self._request("POST", s, "/update_weights_from_distributed", body,
+                                                  timeout=timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                self._mark_unhealthy(s, f"commit: {type(e).__name__}: {e}")
+                lost.append(s.address)
+                return None
+            if status == 200 and not (isinstance(out, dict) and out.get("success") is False):
+                return None
+            msg = _error_message(out)
+            if status == 400 and _lost_state(msg) and await self._restarted(s, timeout):  # at launch weights
+                lost.append(s.address)
+                return None
+            return f"{s.address}/update_weights_from_distributed answered {status}: {msg}"
+
+        errors = [e for e in await asyncio.gather(*(one(s) for s in servers)) if e]
+        if errors:
+            raise ServerError("; ".join(errors))
+        if servers and len(lost) == len(servers):
+            raise ServerError(f"every server of the weight-update group was lost during the sync ({', '.join(lost)})")
+        return lost
+
+    async def _restarted(self, s: _Server, timeout: Optional[float]) -> bool:
+        """s refused a sync's call for want of the session or group this sync set up on it: was it restarted (a
+        new process, at a weight version other than the one this client last synced)? Then it is behind: True.
+        Before the first sync every server is at its launch version: the refusal alone says it (nothing else
+        closes a session or group this client opened)."""
+        if self._served is None:
+            self._set_behind(s, "its launch version (restarted during the first sync)")
+            return True
+        try:
+            status, info = await self._request("GET", s, "/model_info", timeout=timeout)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self._mark_unhealthy(s, f"/model_info: {type(e).__name__}: {e}")
+            return True
+        have = info.get("weight_version") if status == 200 and isinstance(info, dict) else None
+        if str(have) == self._served:
+            return False
+        logger.warning("server %s lost the weight-update session or group of this sync: restarted, at version %s",
+                       s.address, have)
+        self._set_behind(s, have)
+        return True
+
     # ---- weight-update sessions (SGLang 0.5.21+) ------------------------------------------------
     async def learn_releases(self, timeout: Optional[float] = None) -> list[Release]:
         """Each server's SGLang release, asked once (`version` of /server_info, else /get_server_info).
@@ -889,6 +956,9 @@ class SGLangClient:
         A server whose version cannot be read (None) learns whether it needs sessions from its first
         /begin_weight_update (404: a release before 0.5.21). Servers of different releases may serve one run:
         each is spoken to in its own protocol."""
+        return await self._learn(self.servers, timeout)
+
+    async def _learn(self, servers: Sequence[_Server], timeout: Optional[float]) -> list[Release]:
         async def one(s: _Server) -> Release:
             if s.release is None:
                 version: Any = None
@@ -897,6 +967,7 @@ class SGLangClient:
                     try:
                         status, out = await self._request("GET", s, path, timeout=timeout)
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                        self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
                         raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
                     if status == 200 and isinstance(out, dict):
                         version, embedded = out.get("version"), out.get("embedded_server") is not None
@@ -909,7 +980,7 @@ class SGLangClient:
                     logger.warning("server %s: %s; speaking the protocol of its release line", s.address, why)
             return s.release
 
-        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+        return list(await asyncio.gather(*(one(s) for s in servers)))
 
     async def begin_weight_update(self, selector: str = "all", timeout: Optional[float] = None) -> None:
         """Open a weight-update session on every server whose release needs one (POST /begin_weight_update).
@@ -917,7 +988,8 @@ class SGLangClient:
         Raises ServerError naming the first server that refused; servers opened before it stay marked open,
         so the caller's `end_weight_update(check=False)` closes exactly those. A session left open by a trainer
         that died mid-sync is closed and opened again (SGLang refuses a second begin)."""
-        await self.learn_releases(timeout)
+        targets = self._group if self._group is not None else self.sync_targets()
+        await self._learn(targets, timeout)  # not the servers out of this sync (a down one would fail it)
 
         async def one(s: _Server) -> None:
             if s.release is not None and s.release.sessions is False:
@@ -942,7 +1014,7 @@ class SGLangClient:
                     continue
                 raise ServerError(f"{s.address}/begin_weight_update answered {status}: {msg}")
 
-        await asyncio.gather(*(one(s) for s in (self._group if self._group is not None else self.sync_targets())))
+        await asyncio.gather(*(one(s) for s in targets))
 
     async def end_weight_update(self, check: bool = True, timeout: Optional[float] = None) -> None:
         """Close the sessions this client opened (POST /end_weight_update: SGLang finalizes the load here).
@@ -957,7 +1029,10 @@ class SGLangClient:
                 return None  # on it (a server that died has nothing to finalize; back, it joins a new group)
             s.session_open = False  # any answer: SGLang's end clears the session (or there was none)
             if status != 200 or (isinstance(out, dict) and out.get("success") is False):
-                return f"{s.address}/end_weight_update answered {status}: {_error_message(out)}"
+                msg = _error_message(out)
+                if status == 400 and _lost_state(msg) and await self._restarted(s, timeout):  # session gone
+                    return None
+                return f"{s.address}/end_weight_update answered {status}: {msg}"
             return None
 
         errors = [e for e in await asyncio.gather(*(one(s) for s in self.servers)) if e]

@@ -347,3 +347,107 @@ def test_requests_not_yet_sent_stay_in_the_client_while_it_is_paused():
 def test_max_connections_must_be_positive():
     with pytest.raises(ValueError, match="max_connections must be at least 1"):
         SGLangClient(["127.0.0.1:1"], max_connections=0)
+
+
+def test_a_server_lost_after_the_last_bucket_does_not_fail_the_commit_for_the_others(fleet):
+    """Every bucket reached every server; then one server goes down and another restarts as a new process (no
+    session, no group, launch weights). The commit sets the version on the rest and names the two as lost: the
+    down one is out of the next sync, the restarted one is behind. Any other refusal still fails the commit."""
+    client = SGLangClient(fleet.addresses[4:7], health_check_interval=0.05, retry_backoff=0.01)
+
+    async def main():
+        await client.update_weights_from_disk("/weights/v3", 3)  # the run's last sync: all at version 3
+        client.synced(3)
+        await client.init_weights_update_group("127.0.0.1", 1, "g", timeout=30)
+        await client.begin_weight_update(timeout=30)
+        await client.update_weights_from_distributed(["w"], ["bfloat16"], [[8, 8]], "g", timeout=30,
+                                                     load_format="flattened_bucket", flush_cache=False)
+        fleet.fail(5, "crash")  # down until recovered
+        fleet.fail(6, "crash")
+        fleet.recover(6)  # back at once as a new process
+        lost = await client.commit_distributed("g", 4, timeout=30)
+        await client.end_weight_update(timeout=30)
+        client.synced(4)  # as the sync does after its commit
+        return lost
+
+    lost = asyncio.run(main())
+    up, down, restarted = client.servers
+    assert sorted(lost) == sorted([down.address, restarted.address])
+    st = fleet.state()
+    assert st[4]["version"] == "4" and st[4]["session"] is None and st[6]["version"] != "4"
+    assert not down.healthy and not down.behind and restarted.behind and not restarted.session_open
+    fleet.recover(5)
+    asyncio.run(client.probe_down())  # the down one answers again: back, and behind (it missed version 4)
+    assert down.behind
+
+    async def refused():  # the group is unknown on a server that did not restart: a real failure
+        return await client.commit_distributed("no-such-group", 5, timeout=30)
+
+    client._group = [up]
+    with pytest.raises(Exception, match="answered 400"):
+        asyncio.run(refused())
+
+
+def test_a_behind_server_that_goes_down_again_leaves_the_sync_targets(fleet):
+    """A restarted server is behind (out of generation, still a sync target). If it crashes again before the next
+    sync, the probe before that sync finds it down and leaves it out: the weight-update group is not built with a
+    server that cannot join it."""
+    client = SGLangClient(fleet.addresses[:2], health_check_interval=0.05, retry_backoff=0.01)
+
+    async def main():
+        await client.update_weights_from_disk("/weights/v2", 2)
+        client.synced(2)
+        fleet.fail(1, "crash")
+        fleet.recover(1)
+        assert await client.find_behind() == [client.servers[1].address]
+        assert [s.address for s in client.sync_targets()] == client.addresses  # behind: still a target
+        fleet.fail(1, "crash")  # down again
+        await client.probe_down()
+        return [s.address for s in client.sync_targets()]
+
+    assert asyncio.run(main()) == [client.servers[0].address]
+    fleet.recover(1)
+
+
+def test_push_is_done_again_while_servers_keep_going_down_and_then_gives_up(fleet, monkeypatch):
+    """A push whose servers go down during it is done again without them, more than once (10% of 64 servers
+    crashing put five crashes into one push), up to PUSH_ATTEMPTS; after that the SyncError is raised and the
+    version is unchanged."""
+    from mega_async.trainer.sync import bracket
+    from mega_async.trainer.sync.common import SyncError
+
+    version = WeightVersion()
+    client = SGLangClient(fleet.addresses, version=version, health_check_interval=0.05, retry_backoff=0.01)
+    crash_on = {1: 1, 2: 2}  # attempt -> the server that crashes during it
+
+    class Crashing(ControlPlaneSync):
+        attempts = 0
+
+        def _membership(self):  # as the distributed sync: the group is built again over the servers up now
+            c = self.rollout.client
+            self._loop.run(c.destroy_weights_update_group("g"), 30)
+            self._loop.run(c.init_weights_update_group("127.0.0.1", 1, "g", timeout=30,
+                                                       addresses=[s.address for s in c.sync_targets()]), 30)
+
+        def _update(self, target):
+            Crashing.attempts += 1
+            if Crashing.attempts in crash_on:
+                fleet.fail(crash_on[Crashing.attempts], "crash")
+            super()._update(target)
+
+    sync = Crashing([], version, RolloutSide(client, None), timeout=30)
+    try:
+        sync.push()
+        assert Crashing.attempts == 3 and version.value == 1
+        assert {s.address for s in client.sync_targets()} == set(client.addresses) - {client.addresses[1],
+                                                                                       client.addresses[2]}
+        monkeypatch.setattr(bracket, "PUSH_ATTEMPTS", 3)
+        crash_on.clear()
+        crash_on.update({Crashing.attempts + k: 2 + k for k in (1, 2, 3)})
+        with pytest.raises(SyncError):
+            sync.push()
+        assert version.value == 1 and Crashing.attempts == 6
+    finally:
+        sync.close()
+        for i in range(1, 6):
+            fleet.recover(i)

@@ -33,6 +33,11 @@ from mega_async.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
 
+# a push that fails because servers went down during it is done again without them, this many times in all (each
+# retry needs a server lost in the attempt before it; any other failure is raised at once). Each crash after the
+# group is built costs one attempt: 10% of 64 servers crashing within 6 s put five crashes into one push
+PUSH_ATTEMPTS = 8
+
 
 @contextlib.contextmanager
 def no_gc_pass() -> Iterator[None]:
@@ -126,21 +131,25 @@ class WeightSync(Verification):
         """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError.
 
         The servers are the client's `sync_targets`: a server that is down is left out (it is brought up to date
-        when it answers again). A sync that fails because one of its servers went down meanwhile is done once
-        more without it; any other failure is raised."""
+        when it answers again). A sync that fails because one of its servers went down meanwhile is done again
+        without it, up to `PUSH_ATTEMPTS` times in all (at 10% of 64 servers crashing, a server came back and
+        crashed again during the one retry, and one push met five crashes); any other failure is raised
+        at once."""
         start = self.version.value
-        try:
-            return self._push_once()
-        except SyncError as e:
-            if self.version.value != start:  # committed (a verify failed after it): nothing to do again
-                raise
-            lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
-            if not lost:
-                raise
-            if self.rollout is not None:
-                logger.warning("weight sync failed while server(s) %s went down (%s); syncing again without them",
-                               ", ".join(lost), str(e)[:300])
-            return self._push_once()
+        for attempt in range(1, PUSH_ATTEMPTS + 1):
+            try:
+                return self._push_once()
+            except SyncError as e:
+                if self.version.value != start or attempt == PUSH_ATTEMPTS:  # committed (a verify failed after
+                    raise                                                     # it), or out of attempts
+                lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
+                if not lost:
+                    raise
+                if self.rollout is not None:
+                    logger.warning("weight sync failed while server(s) %s went down (%s); syncing again without "
+                                   "them (attempt %d of %d)", ", ".join(lost), str(e)[:300], attempt + 1,
+                                   PUSH_ATTEMPTS)
+        raise AssertionError("unreachable")
 
     def _targets_now(self, probe: bool = False) -> list[str]:
         client = self.rollout.client

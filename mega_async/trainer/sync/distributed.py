@@ -231,11 +231,14 @@ class DistributedWeightSync(WeightSync):
     def _commit(self, target: int) -> Optional[str]:
         """Every stage streamed: an empty update sets the new version on the servers (SGLang sets
         weight_version only on success), so a failed sync never leaves a server claiming the new one. It also
-        flushes the cache, once per sync (the buckets do not: the servers are paused in between)."""
+        flushes the cache, once per sync (the buckets do not: the servers are paused in between). A server lost
+        since the last bucket (down, or restarted) is left out instead of failing the others."""
         if self.rollout is not None and self.pg is not None:
-            self._loop.run(self.client.update_weights_from_distributed([], [], [], self.group_name, version=target,
-                                                                       flush_cache=self.flush_cache,
-                                                                       timeout=self.timeout), self.timeout + 10)
+            lost = self._loop.run(self.client.commit_distributed(self.group_name, target, flush_cache=self.flush_cache,
+                                                                 timeout=self.timeout), self.timeout + 10)
+            if lost:  # every bucket reached them before; they come back behind and are brought up to date
+                logger.warning("server(s) %s went down during the commit of version %d; the others serve it",
+                               ", ".join(lost), target)
         return None
 
     def _begin(self, target: int) -> Optional[str]:
