@@ -75,7 +75,12 @@ def main() -> None:
             m = batch["loss_mask"].bool()
             expected = (kl_penalty(cur, ref, args.kl_estimator)[m]).mean().item()
         history.append(eng.train_batch(local))
-    stats = {**history[-1], "history": history}
+    stats = {**history[-1], "history": history,  # the layout the step really ran at (jobs share a process)
+             "parallel": {"tp": mpu.get_tensor_model_parallel_world_size(),
+                          "pp": mpu.get_pipeline_model_parallel_world_size(),
+                          "ep": mpu.get_expert_model_parallel_world_size(),
+                          "dp": mpu.get_data_parallel_world_size(),
+                          "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1}}
     if args.kl_coef > 0:
         stats["expected_kl_ref"] = expected
     weights = {k: v.contiguous() for k, v in eng.export_hf_weights()}

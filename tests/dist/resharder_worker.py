@@ -5,6 +5,7 @@ import json
 import os
 
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
 from mega_async.trainer.model import build_model
@@ -33,7 +34,9 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         save_file(tensors, f"{args.out}/stage{rs.pp_rank}.safetensors")
         with open(f"{args.out}/stage{rs.pp_rank}.json", "w") as f:
-            json.dump({"buckets": buckets, "max_bucket_bytes": held, "rank": dist.get_rank()}, f)
+            json.dump({"buckets": buckets, "max_bucket_bytes": held, "rank": dist.get_rank(),
+                       "tp": mpu.get_tensor_model_parallel_world_size(), "ep": mpu.get_expert_model_parallel_world_size(),
+                       "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1}, f)
     destroy_parallel_state()
 
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from mega_async.checkpoint import CheckpointError, check_dist_checkpoint, latest_checkpoint
 from mega_async.checkpoint_check import verify_manifest, write_manifest
 from mega_async.model_cards import TINY_MOE, init_random_weights
-from tests.dist.test_engine import torchrun
+from tests.dist.jobs import torchrun
 from tests.unit.test_untrusted_checkpoint import poisoned
 
 pytestmark = pytest.mark.slow  # nine torchrun launches: CI's second step (the rollout side and the untrusted-file

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from mega_async.model_cards import TINY_MOE, init_random_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_engine import torchrun  # noqa: E402
+from jobs import torchrun  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
 

@@ -2,43 +2,63 @@
 single-rank weights; the loss does not depend on the micro-batch count or the DP split; vocab-parallel
 logprobs and entropy (and their gradients) equal the full-vocabulary reference."""
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
-from mega_async.comm import free_port
 from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+from tests.dist.jobs import run_jobs
 
-HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
-
-
-def torchrun(script: str, nproc: int, *args: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           str(HERE / script), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, f"{script} {args} failed:\n{r.stderr[-6000:]}"
+KL_ARGS = ("--kl-coef", "0.5", "--kl-estimator", "k3", "--steps", "2")
 
 
-def train(model: Path, layout: str, nproc: int, out: Path, *extra: str) -> tuple[dict, dict]:
-    torchrun("engine_worker.py", nproc, "--model", str(model), "--layout", layout, "--out", str(out), *extra)
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eng")
+    return {"moe": init_random_weights(TINY_MOE, d / "moe", seed=0),
+            "dense": init_random_weights(TINY_DENSE, d / "dense", seed=0)}
+
+
+@pytest.fixture(scope="module")
+def moe(models):
+    return models["moe"]
+
+
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory):
+    """Every engine run of this module, in one launch per rank count (jobs.run_jobs): name -> (out dir, error)."""
+    out = tmp_path_factory.mktemp("runs")
+    moe, dense = str(models["moe"]), str(models["dense"])
+
+    def eng(name, model, layout, *extra):
+        return name, ["engine_worker.py", "--model", model, "--layout", layout, "--out", str(out / name), *extra]
+
+    launches = {
+        1: [eng("ref", moe, "megatron:d1"), eng("d1-micro-batches", moe, "megatron:d1", "--max-tokens-per-mb", "24"),
+            eng("klref", moe, "megatron:d1", *KL_ARGS), eng("nokl", moe, "megatron:d1", "--steps", "2"),
+            ("logprobs-d1", ["logprobs_worker.py", "megatron:d1"]), ("packed-d1", ["packed_worker.py", moe, "megatron:d1"]),
+            eng("dense-ref", dense, "megatron:d1")],
+        2: [eng("tp2", moe, "megatron:t2"), eng("pp2", moe, "megatron:p2"), eng("ep2-dp2", moe, "megatron:d2e2"),
+            eng("kl-pp2", moe, "megatron:p2", *KL_ARGS), ("logprobs-t2", ["logprobs_worker.py", "megatron:t2"]),
+            ("packed-t2", ["packed_worker.py", moe, "megatron:t2"]), eng("dense-vpp", dense, "megatron:p2v2")],
+        4: [eng("tp2-ep2", moe, "megatron:d2t2e2")],
+    }
+    results = {}
+    for nproc, jobs in launches.items():
+        errors = run_jobs(nproc, dict(jobs), out / f"launch{nproc}")
+        results.update({name: (out / name, errors[name]) for name, _ in jobs})
+    return results
+
+
+def result(runs, name) -> tuple[dict, dict]:
+    out, error = runs[name]
+    assert error is None, error
     return load_file(str(out / "stepped.safetensors")), json.loads((out / "stats.json").read_text())
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return init_random_weights(TINY_MOE, tmp_path_factory.mktemp("eng") / "moe", seed=0)
-
-
-@pytest.fixture(scope="module")
-def reference(moe, tmp_path_factory):
-    return train(moe, "megatron:d1", 1, tmp_path_factory.mktemp("ref"))
+def reference(runs):
+    return result(runs, "ref")
 
 
 def test_single_rank_step_moves_weights_and_reports_stats(moe, reference):
@@ -50,27 +70,26 @@ def test_single_rank_step_moves_weights_and_reports_stats(moe, reference):
     assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-6)  # recomputed prox = current policy before the step
 
 
-@pytest.mark.parametrize("layout, nproc, extra", [
-    ("megatron:d1", 1, ("--max-tokens-per-mb", "24")),  # many micro-batches instead of one
-    ("megatron:t2", 2, ()),
-    ("megatron:p2", 2, ()),
-    ("megatron:d2e2", 2, ()),  # DP2: each rank trains on its share of whole prompt groups
-    ("megatron:d2t2e2", 4, ()),
-], ids=["d1-micro-batches", "tp2", "pp2", "ep2-dp2", "tp2-ep2"])
-def test_ppo_step_parity(moe, reference, tmp_path, layout, nproc, extra):
+LAYOUTS = {"d1-micro-batches": dict(tp=1, pp=1, ep=1, dp=1), "tp2": dict(tp=2, pp=1, ep=1, dp=1),
+           "pp2": dict(tp=1, pp=2, ep=1, dp=1), "ep2-dp2": dict(tp=1, pp=1, ep=2, dp=2),
+           "tp2-ep2": dict(tp=2, pp=1, ep=2, dp=2)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_ppo_step_parity(runs, reference, name):
+    """Many micro-batches instead of one; TP2; PP2; DP2 x EP2 (each rank trains on its share of whole prompt
+    groups); TP2 x EP2 on 4 ranks: the single-rank step's weights and loss."""
     ref_w, ref_s = reference
-    w, s = train(moe, layout, nproc, tmp_path, *extra)
+    w, s = result(runs, name)
+    assert {k: s["parallel"][k] for k in LAYOUTS[name]} == LAYOUTS[name]  # the launch's earlier jobs left nothing
     diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
-    assert diff < 1e-5, f"{layout}: weights differ by {diff}"
+    assert diff < 1e-5, f"{name}: weights differ by {diff}"
     assert s["loss"] == pytest.approx(ref_s["loss"], abs=1e-6) and s["tokens"] == ref_s["tokens"]
 
 
-KL_ARGS = ("--kl-coef", "0.5", "--kl-estimator", "k3", "--steps", "2")
-
-
 @pytest.fixture(scope="module")
-def kl_reference(moe, tmp_path_factory):
-    return train(moe, "megatron:d1", 1, tmp_path_factory.mktemp("klref"), *KL_ARGS)
+def kl_reference(runs):
+    return result(runs, "klref")
 
 
 def test_kl_to_reference_is_in_the_loss(kl_reference, reference):
@@ -84,37 +103,38 @@ def test_kl_to_reference_is_in_the_loss(kl_reference, reference):
     assert second["kl_ref"] == pytest.approx(s["expected_kl_ref"], rel=1e-4)
 
 
-def test_kl_penalty_changes_the_update(moe, kl_reference, tmp_path):
+def test_kl_penalty_changes_the_update(runs, kl_reference):
     """The same two steps without the penalty end elsewhere: the KL term reaches the gradients."""
     w_kl, s_kl = kl_reference
-    w, s = train(moe, "megatron:d1", 1, tmp_path, "--steps", "2")
+    w, s = result(runs, "nokl")
     assert s["history"][0]["loss"] == pytest.approx(s_kl["history"][0]["loss"], abs=1e-7)
     assert s["history"][1]["kl_ref"] == 0.0  # not computed without the penalty
     assert max((w[k] - w_kl[k]).abs().max().item() for k in w) > 1e-4
 
 
-def test_kl_step_parity_pp2(moe, kl_reference, tmp_path):
+def test_kl_step_parity_pp2(runs, kl_reference):
     """Reference logprobs broadcast across pipeline stages: two KL-penalised steps at PP2 equal one rank's."""
     ref_w, ref_s = kl_reference
-    w, s = train(moe, "megatron:p2", 2, tmp_path, *KL_ARGS)
+    w, s = result(runs, "kl-pp2")
+    assert s["parallel"]["pp"] == 2
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
     assert s["kl_ref"] == pytest.approx(ref_s["kl_ref"], rel=1e-4) and s["loss"] == pytest.approx(ref_s["loss"], abs=1e-6)
 
 
-@pytest.mark.parametrize("layout, nproc", [("megatron:d1", 1), ("megatron:t2", 2)])
-def test_vocab_parallel_logprobs(layout, nproc):
-    torchrun("logprobs_worker.py", nproc, layout)
+@pytest.mark.parametrize("name", ["logprobs-d1", "logprobs-t2"])
+def test_vocab_parallel_logprobs(runs, name):
+    assert runs[name][1] is None, runs[name][1]
 
 
-@pytest.mark.parametrize("layout, nproc", [("megatron:d1", 1), ("megatron:t2", 2)])
-def test_packed_forward_equals_per_sequence(moe, layout, nproc):
-    torchrun("packed_worker.py", nproc, str(moe), layout)
+@pytest.mark.parametrize("name", ["packed-d1", "packed-t2"])
+def test_packed_forward_equals_per_sequence(runs, name):
+    assert runs[name][1] is None, runs[name][1]
 
 
-def test_ppo_step_interleaved_vpp_dense(tmp_path):
+def test_ppo_step_interleaved_vpp_dense(runs):
     """Dense Qwen3 with tied embeddings: PP2 x VPP2 (interleaved 1F1B) equals the single-rank step."""
-    dense = init_random_weights(TINY_DENSE, tmp_path / "dense", seed=0)
-    ref_w, ref_s = train(dense, "megatron:d1", 1, tmp_path / "ref")
-    w, s = train(dense, "megatron:p2v2", 2, tmp_path / "vpp")
+    ref_w, ref_s = result(runs, "dense-ref")
+    w, s = result(runs, "dense-vpp")
+    assert s["parallel"]["pp"] == 2 and s["parallel"]["vpp"] == 2
     assert max((w[k] - ref_w[k]).abs().max().item() for k in ref_w) < 1e-5
     assert s["loss"] == pytest.approx(ref_s["loss"], abs=1e-6)

@@ -3,20 +3,15 @@ stages, equal the unsharded HF export bit for bit; each stage sends only its own
 layer numbers; buckets keep to the byte budget, never split a layer's experts, and only stage heads
 receive anything (no rank holds the whole model)."""
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.comm import free_port
 from mega_async.model_cards import TINY_MOE, init_random_weights
+from tests.dist.jobs import run_jobs
 
-WORKER = Path(__file__).with_name("resharder_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 BUDGET = 48 << 10  # the tiny MoE is about 1.5 MiB: dozens of buckets
 
 
@@ -25,30 +20,47 @@ def moe(tmp_path_factory):
     return init_random_weights(TINY_MOE, tmp_path_factory.mktemp("rs") / "moe", seed=3)
 
 
-def reshard(model: Path, layout: str, nproc: int, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           str(WORKER), "--model", str(model), "--layout", layout, "--out", str(out), "--bucket-bytes", str(BUDGET)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, f"{layout} failed:\n{r.stderr[-6000:]}"
+def stages_of(out: Path) -> dict:
     stages = sorted(out.glob("stage*.json"))
     return {int(p.stem[5:]): (load_file(str(p.with_suffix(".safetensors"))), json.loads(p.read_text())) for p in stages}
 
 
-@pytest.mark.parametrize("layout, nproc, pp", [
-    ("megatron:t2", 2, 1),
-    ("megatron:d2e2", 2, 1),
-    ("megatron:p2", 2, 2),
-    ("megatron:d2t2e2", 4, 1),
-    ("megatron:p2v2", 2, 2),
-], ids=["tp2", "ep2", "pp2", "tp2-ep2", "vpp2"])
-def test_buckets_equal_unsharded_export(moe, tmp_path, layout, nproc, pp):
+def reshard_all(runs: dict, out: Path) -> dict:
+    """{name: (model, layout, nproc)} -> {name: (stages, error)}: one launch per rank count (jobs.run_jobs)."""
+    results = {}
+    for nproc in sorted({n for _, _, n in runs.values()}):
+        jobs = {name: ["resharder_worker.py", "--model", str(model), "--layout", layout, "--out", str(out / name),
+                       "--bucket-bytes", str(BUDGET)] for name, (model, layout, n) in runs.items() if n == nproc}
+        errors = run_jobs(nproc, jobs, out / f"launch{nproc}")
+        results.update({name: (stages_of(out / name), errors[name]) for name in jobs})
+    return results
+
+
+LAYOUTS = {"tp2": ("megatron:t2", 2, dict(tp=2, ep=1, pp=1, vpp=1)),
+           "ep2": ("megatron:d2e2", 2, dict(tp=1, ep=2, pp=1, vpp=1)),
+           "pp2": ("megatron:p2", 2, dict(tp=1, ep=1, pp=2, vpp=1)),
+           "tp2-ep2": ("megatron:d2t2e2", 4, dict(tp=2, ep=2, pp=1, vpp=1)),
+           "vpp2": ("megatron:p2v2", 2, dict(tp=1, ep=1, pp=2, vpp=2))}
+
+
+@pytest.fixture(scope="module")
+def resharded(moe, tmp_path_factory):
+    return reshard_all({name: (moe, layout, n) for name, (layout, n, _) in LAYOUTS.items()},
+                       tmp_path_factory.mktemp("resharded"))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_buckets_equal_unsharded_export(moe, resharded, name):
+    layout, _, par = LAYOUTS[name]
+    pp = par["pp"]
+    stages, error = resharded[name]
+    assert error is None, error
     src = load_file(str(moe / "model.safetensors"))
     total = sum(t.numel() * t.element_size() for t in src.values())
-    stages = reshard(moe, layout, nproc, tmp_path)
     assert sorted(stages) == list(range(pp)), "one head per pipeline stage sends"
     got = {}
     for stage, (tensors, info) in stages.items():
+        assert {k: info[k] for k in ("tp", "ep", "vpp")} == {k: par[k] for k in ("tp", "ep", "vpp")}  # as asked
         assert not set(tensors) & set(got), "a tensor was sent by two stages"
         got.update(tensors)
         assert info["max_bucket_bytes"] < total  # no rank holds the whole model
@@ -85,15 +97,22 @@ FAMILY_LAYOUTS = [(k, layout, 2, pp) for k in ("deepseek", "glm")
                   for layout, pp in (("megatron:t2", 1), ("megatron:d2e2", 1), ("megatron:p2", 2))]
 
 
-@pytest.mark.slow  # six torchrun launches
+@pytest.fixture(scope="module")
+def families_resharded(families, tmp_path_factory):
+    return reshard_all({f"{k}-{layout.split(':')[1]}": (families[k], layout, n) for k, layout, n, _ in FAMILY_LAYOUTS},
+                       tmp_path_factory.mktemp("families-resharded"))
+
+
+@pytest.mark.slow  # six Megatron set-ups (one launch)
 @pytest.mark.parametrize("kind, layout, nproc, pp", FAMILY_LAYOUTS,
                          ids=[f"{k}-{l.split(':')[1]}" for k, l, _, _ in FAMILY_LAYOUTS])
-def test_family_buckets_equal_unsharded_export(families, tmp_path, kind, layout, nproc, pp):
+def test_family_buckets_equal_unsharded_export(families, families_resharded, kind, layout, nproc, pp):
     """DeepSeek-V3 (MLA low-rank projections and their layernorms) and GLM-4.5 (q/k/v bias): the shared experts,
     the router's correction bias and the dense first layer travel under their HF names, bit for bit."""
     model = families[kind]
     src = load_file(str(model / "model.safetensors"))
-    stages = reshard(model, layout, nproc, tmp_path)
+    stages, error = families_resharded[f"{kind}-{layout.split(':')[1]}"]
+    assert error is None, error
     assert sorted(stages) == list(range(pp))
     got = {}
     for stage, (tensors, info) in stages.items():
