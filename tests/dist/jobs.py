@@ -58,6 +58,15 @@ def run_jobs(nproc: int, jobs: dict[str, list[str]], out_dir: Path, timeout: flo
     return results
 
 
+def run_grouped(cases: dict[str, tuple[int, list[str]]], out_dir: Path) -> dict[str, Optional[str]]:
+    """{name: (nproc, [script, *args])}: one launch per rank count, fewest ranks first; {name: error or None}."""
+    results: dict[str, Optional[str]] = {}
+    for nproc in sorted({n for n, _ in cases.values()}):
+        jobs = {name: job for name, (n, job) in cases.items() if n == nproc}
+        results.update(run_jobs(nproc, jobs, out_dir / f"launch{nproc}"))
+    return results
+
+
 def _between_jobs() -> None:
     """What a worker's closing destroy_parallel_state() does here: Megatron's groups go, the default group stays
     for the next job (a second rendezvous on torchrun's store is not needed)."""

@@ -4,8 +4,8 @@ DDP + the distributed optimizer (Adam, eps=1) on a token-mean cross entropy, (4)
 Rank 0 writes the results as safetensors for the test to compare against independent references.
 """
 import argparse
+import json
 import os
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,11 @@ def main() -> None:
     stepped = {k: v.contiguous() for k, v in export_hf_weights(models)}
     if rank == 0:
         save_file(stepped, f"{args.out}/stepped.safetensors")
+        with open(f"{args.out}/parallel.json", "w") as f:  # the layout it really ran at (jobs share a process)
+            json.dump({"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+                       "ep": mpu.get_expert_model_parallel_world_size(),
+                       "etp": mpu.get_expert_tensor_parallel_world_size(),
+                       "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1}, f)
     destroy_parallel_state()
 
 

@@ -105,6 +105,10 @@ def main() -> None:
         save_file({"free": lp_free, "replayed": lp_replayed, "same": lp_same, "mask": batch["loss_mask"].float(),
                    "hf": hf_lp, "rebiased": lp_rebiased, "hf_rebiased": hf_lp_rebiased},
                   f"{args.out}/logprobs.safetensors")
+        res["parallel"] = {"tp": mpu.get_tensor_model_parallel_world_size(),  # as run (jobs share a process)
+                           "pp": mpu.get_pipeline_model_parallel_world_size(),
+                           "ep": mpu.get_expert_model_parallel_world_size(),
+                           "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1}
         with open(f"{args.out}/stats.json", "w") as f:
             json.dump(res, f)
     destroy_parallel_state()

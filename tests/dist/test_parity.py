@@ -1,7 +1,6 @@
 """Megatron parity on gloo, 1 to 4 ranks, fp32: logits equal transformers', HF export equals the source
 safetensors bit for bit, and one training step on a parallel layout equals the single-rank step."""
-import os
-import subprocess
+import json
 import sys
 from pathlib import Path
 
@@ -9,21 +8,32 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.comm import free_port
 from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+from mega_async.trainer.parallel import parse_allocation
+from tests.dist.jobs import run_jobs
 
 WORKER = Path(__file__).with_name("parity_worker.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_worker(model: Path, layout: str, nproc: int, out: Path, microbatches: int = 1) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
-           str(WORKER), "--model", str(model), "--layout", layout, "--out", str(out),
-           "--microbatches", str(microbatches)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, f"{layout} failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
-    return {k: load_file(str(out / f"{k}.safetensors")) for k in ("logits", "export", "stepped")}
+def run_all(weights: dict, cases: dict, out: Path) -> dict:
+    """{name: (kind, layout, nproc, micro-batches)} -> {name: result}, one launch per rank count (jobs.run_jobs);
+    a result is {logits, export, stepped: tensors, parallel: the layout it ran at} or the job's error text."""
+    results: dict = {}
+    for nproc in sorted({c[2] for c in cases.values()}):
+        jobs = {name: ["parity_worker.py", "--model", str(weights[kind]), "--layout", layout, "--out", str(out / name),
+                       "--microbatches", str(mbs)] for name, (kind, layout, n, mbs) in cases.items() if n == nproc}
+        errors = run_jobs(nproc, jobs, out / f"launch{nproc}")
+        for name in jobs:
+            results[name] = errors[name] or {
+                **{k: load_file(str(out / name / f"{k}.safetensors")) for k in ("logits", "export", "stepped")},
+                "parallel": json.loads((out / name / "parallel.json").read_text())}
+    return results
+
+
+def result(runs: dict, name: str) -> dict:
+    res = runs[name]
+    assert isinstance(res, dict), res
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +44,14 @@ def weights(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def single_rank(weights, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref")
-    return {k: run_worker(w, "megatron:d1", 1, out / k) for k, w in weights.items()}
+def default_runs(weights, tmp_path_factory):
+    return run_all(weights, {"moe": ("moe", "megatron:d1", 1, 1), "dense": ("dense", "megatron:d1", 1, 1),
+                             "etp2": ("moe", "megatron:(attn:d2|ffn:t2)", 2, 1)}, tmp_path_factory.mktemp("runs"))
+
+
+@pytest.fixture(scope="module")
+def single_rank(default_runs):
+    return {k: result(default_runs, k) for k in ("moe", "dense")}
 
 
 def hf_logits(model_dir: Path) -> torch.Tensor:
@@ -74,11 +89,20 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.slow  # eight torchrun launches: CI's second step (the resharder and engine parity stay in the default)
+@pytest.fixture(scope="module")
+def layout_runs(weights, tmp_path_factory):
+    return run_all(weights, {f"{k}-{l}-mb{m}": (k, l, n, m) for k, l, n, m in LAYOUTS}, tmp_path_factory.mktemp("lay"))
+
+
+# eight Megatron set-ups in three launches: CI's second step (the resharder and engine parity stay in the default)
+@pytest.mark.slow
 @pytest.mark.parametrize("kind, layout, nproc, mbs", LAYOUTS, ids=[f"{k}-{l}-mb{m}" for k, l, _, m in LAYOUTS])
-def test_layout_parity(weights, single_rank, tmp_path, kind, layout, nproc, mbs):
+def test_layout_parity(weights, single_rank, layout_runs, kind, layout, nproc, mbs):
     ref = single_rank[kind]
-    res = run_worker(weights[kind], layout, nproc, tmp_path / "out", microbatches=mbs)
+    res = result(layout_runs, f"{kind}-{layout}-mb{mbs}")
+    want = parse_allocation(layout).train
+    assert (res["parallel"]["tp"], res["parallel"]["pp"], res["parallel"]["ep"], res["parallel"]["vpp"]) == \
+        (want.tp, want.pp, want.ep, max(want.vpp, 1))  # as asked, whatever ran before it in the launch
     assert (res["logits"]["logits"] - ref["logits"]["logits"]).abs().max() < 1e-4
     src = load_file(str(weights[kind] / "model.safetensors"))
     assert res["export"].keys() == src.keys() and all(torch.equal(res["export"][k], src[k]) for k in src)
@@ -87,10 +111,11 @@ def test_layout_parity(weights, single_rank, tmp_path, kind, layout, nproc, mbs)
     assert diff < 1e-5, f"{layout}: updated weights differ from the single-rank step by {diff}"
 
 
-def test_etp2_hybrid_forward_and_export(weights, single_rank, tmp_path):
+def test_etp2_hybrid_forward_and_export(weights, single_rank, default_runs):
     """ETP2 with attention TP1 (hybrid form): logits and export match. Its training step is a known gap."""
     ref = single_rank["moe"]
-    res = run_worker(weights["moe"], "megatron:(attn:d2|ffn:t2)", 2, tmp_path / "out")
+    res = result(default_runs, "etp2")
+    assert res["parallel"]["etp"] == 2 and res["parallel"]["tp"] == 1
     assert (res["logits"]["logits"] - ref["logits"]["logits"]).abs().max() < 1e-4
     src = load_file(str(weights["moe"] / "model.safetensors"))
     assert all(torch.equal(res["export"][k], src[k]) for k in src)

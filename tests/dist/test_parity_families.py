@@ -2,7 +2,7 @@
 one rank the logits equal transformers' and the HF export equals the source safetensors bit for bit (MLA low-rank
 projections and their layernorms, shared experts, the router's correction bias, the dense first layer); at TP2
 (+ sequence parallel), EP2 and PP2 (the dense layer on stage 0) the logits, the export and one training step equal
-the single rank's. Slow: each layout is a torchrun launch of a minute on 2 cores."""
+the single rank's. Slow: eight Megatron set-ups (two launches)."""
 import sys
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_parity import hf_logits, run_worker  # noqa: E402
+from test_parity import hf_logits, result, run_all  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,20 @@ def weights(tmp_path_factory):
     return {k: init_random_weights(card, root / k, seed=0) for k, card in CARDS.items()}
 
 
+LAYOUTS = [(k, layout, 2) for k in CARDS for layout in ("megatron:t2", "megatron:d2e2", "megatron:p2")]
+
+
 @pytest.fixture(scope="module")
-def single_rank(weights, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ref-families")
-    return {k: run_worker(w, "megatron:d1", 1, out / k) for k, w in weights.items()}
+def runs(weights, tmp_path_factory):
+    """The two single-rank references and the six layouts, in two launches (jobs.run_jobs)."""
+    cases = {f"{k}-d1": (k, "megatron:d1", 1, 1) for k in CARDS}
+    cases.update({f"{k}-{layout}": (k, layout, n, 1) for k, layout, n in LAYOUTS})
+    return run_all(weights, cases, tmp_path_factory.mktemp("runs-families"))
+
+
+@pytest.fixture(scope="module")
+def single_rank(runs):
+    return {k: result(runs, f"{k}-d1") for k in CARDS}
 
 
 def same_export(got: dict, src: dict) -> bool:
@@ -63,13 +73,12 @@ def test_single_rank_matches_transformers_and_exports_exactly(weights, single_ra
             assert torch.equal(res["stepped"][k], src[k]), k
 
 
-LAYOUTS = [(k, layout, 2) for k in CARDS for layout in ("megatron:t2", "megatron:d2e2", "megatron:p2")]
-
-
 @pytest.mark.parametrize("kind, layout, nproc", LAYOUTS, ids=[f"{k}-{l.split(':')[1]}" for k, l, _ in LAYOUTS])
-def test_layout_parity(weights, single_rank, tmp_path, kind, layout, nproc):
+def test_layout_parity(weights, single_rank, runs, kind, layout, nproc):
     ref = single_rank[kind]
-    res = run_worker(weights[kind], layout, nproc, tmp_path / "out")
+    res = result(runs, f"{kind}-{layout}")
+    want = {"megatron:t2": (2, 1, 1), "megatron:d2e2": (1, 1, 2), "megatron:p2": (1, 2, 1)}[layout]
+    assert (res["parallel"]["tp"], res["parallel"]["pp"], res["parallel"]["ep"]) == want  # as asked
     gap = (res["logits"]["logits"] - ref["logits"]["logits"]).abs().max().item()
     assert gap < 1e-4, f"{kind} {layout}: logits differ from one rank's by {gap}"
     src = load_file(str(weights[kind] / "model.safetensors"))

@@ -9,33 +9,67 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.trainer.parallel import parse_allocation
 
 sys.path.insert(0, str(Path(__file__).parent))
-from jobs import torchrun  # noqa: E402
+from jobs import run_grouped  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
 
 ROUTE_KEYS = ("mismatch/route_top1_frac", "mismatch/route_set_frac")
 
 
-def run(model: Path, layout: str, nproc: int, out: Path) -> tuple[dict, dict, dict]:
-    torchrun("replay_worker.py", nproc, "--model", str(model), "--layout", layout, "--out", str(out))
+def read(out: Path) -> tuple[dict, dict, dict]:
     return (json.loads((out / "stats.json").read_text()), load_file(str(out / "logprobs.safetensors")),
             load_file(str(out / "stepped.safetensors")))
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return init_random_weights(TINY_MOE, tmp_path_factory.mktemp("r3") / "moe", seed=0)
+def models(tmp_path_factory):
+    from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM
+
+    root = tmp_path_factory.mktemp("r3")
+    return {"moe": init_random_weights(TINY_MOE, root / "moe", seed=0),
+            "deepseek": init_random_weights(TINY_DEEPSEEK, root / "deepseek", seed=0),
+            "glm": init_random_weights(TINY_GLM, root / "glm", seed=0)}
+
+
+PARITY = {"ep2-dp2": ("moe", "megatron:d2e2"), "pp2": ("moe", "megatron:p2"), "pp2-vpp2": ("moe", "megatron:p2v2"),
+          "tp2": ("moe", "megatron:t2"), "deepseek-ep2": ("deepseek", "megatron:d2e2"),
+          "deepseek-tp2": ("deepseek", "megatron:t2"), "glm-pp2": ("glm", "megatron:p2")}
 
 
 @pytest.fixture(scope="module")
-def single(moe, tmp_path_factory):
-    return run(moe, "megatron:d1", 1, tmp_path_factory.mktemp("r3d1"))
+def runs(models, tmp_path_factory):
+    """Every replay run of this module: the three single-rank references and the seven parallel layouts, in two
+    launches (jobs.run_grouped). name -> (stats, logprobs, stepped) or the job's error text."""
+    out = tmp_path_factory.mktemp("r3runs")
+    cases = {f"{k}-d1": (1, k, "megatron:d1") for k in models}
+    cases.update({name: (2, k, layout) for name, (k, layout) in PARITY.items()})
+    errors = run_grouped({name: (n, ["replay_worker.py", "--model", str(models[k]), "--layout", layout, "--out",
+                                     str(out / name)]) for name, (n, k, layout) in cases.items()}, out)
+    return {name: errors[name] or read(out / name) for name in cases}
+
+
+def result(runs: dict, name: str) -> tuple[dict, dict, dict]:
+    res = runs[name]
+    assert isinstance(res, tuple), res
+    layout = parse_allocation(dict(PARITY).get(name, ("", "megatron:d1"))[1]).train
+    assert res[0]["parallel"] == {"tp": layout.tp, "pp": layout.pp, "ep": layout.ep, "vpp": max(layout.vpp, 1)}
+    return res
+
+
+@pytest.fixture(scope="module")
+def moe(models):
+    return models["moe"]
+
+
+@pytest.fixture(scope="module")
+def single(runs):
+    return result(runs, "moe-d1")
 
 
 def test_replay_makes_the_trainer_route_like_the_rollout(moe, single):
@@ -56,8 +90,9 @@ def test_replay_makes_the_trainer_route_like_the_rollout(moe, single):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, nproc", [("megatron:d2e2", 2), ("megatron:p2", 2), ("megatron:p2v2", 2),
                                           ("megatron:t2", 2)], ids=["ep2-dp2", "pp2", "pp2-vpp2", "tp2"])
-def test_replay_parity(moe, single, tmp_path, layout, nproc):
-    (s1, lp1, w1), (s, lp, w) = single, run(moe, layout, nproc, tmp_path)
+def test_replay_parity(runs, single, layout, nproc):
+    name = next(n for n, (k, lay) in PARITY.items() if k == "moe" and lay == layout)
+    (s1, lp1, w1), (s, lp, w) = single, result(runs, name)
     for case in ("same_off", "foreign_off", "foreign_on"):
         assert s[case] == pytest.approx(s1[case], abs=1e-12), case
     m = lp1["mask"].bool()
@@ -68,17 +103,13 @@ def test_replay_parity(moe, single, tmp_path, layout, nproc):
 
 
 @pytest.fixture(scope="module")
-def families(tmp_path_factory):
-    from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM
-
-    root = tmp_path_factory.mktemp("r3-families")
-    return {"deepseek": init_random_weights(TINY_DEEPSEEK, root / "deepseek", seed=0),
-            "glm": init_random_weights(TINY_GLM, root / "glm", seed=0)}
+def families(models):
+    return {k: models[k] for k in ("deepseek", "glm")}
 
 
 @pytest.fixture(scope="module")
-def families_single(families, tmp_path_factory):
-    return {k: run(m, "megatron:d1", 1, tmp_path_factory.mktemp(f"r3-{k}")) for k, m in families.items()}
+def families_single(runs):
+    return {k: result(runs, f"{k}-d1") for k in ("deepseek", "glm")}
 
 
 @pytest.mark.parametrize("kind", ["deepseek", "glm"])
@@ -106,8 +137,9 @@ def test_replay_of_bias_corrected_group_limited_routes(families, families_single
 
 @pytest.mark.parametrize("kind, layout", [("deepseek", "megatron:d2e2"), ("deepseek", "megatron:t2"),
                                           ("glm", "megatron:p2")], ids=["deepseek-ep2", "deepseek-tp2", "glm-pp2"])
-def test_family_replay_parity(families, families_single, tmp_path, kind, layout):
-    (s1, lp1, w1), (s, lp, w) = families_single[kind], run(families[kind], layout, 2, tmp_path)
+def test_family_replay_parity(runs, families_single, kind, layout):
+    name = next(n for n, (k, lay) in PARITY.items() if k == kind and lay == layout)
+    (s1, lp1, w1), (s, lp, w) = families_single[kind], result(runs, name)
     for case in ("same_off", "rebiased_off", "rebiased_on", "foreign_on"):
         assert s[case] == pytest.approx(s1[case], abs=1e-12), case
     m = lp1["mask"].bool()
