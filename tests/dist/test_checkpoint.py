@@ -11,10 +11,10 @@ from safetensors.torch import load_file
 from mega_async.checkpoint import CheckpointError, check_dist_checkpoint, latest_checkpoint
 from mega_async.checkpoint_check import verify_manifest, write_manifest
 from mega_async.model_cards import TINY_MOE, init_random_weights
-from tests.dist.jobs import torchrun
+from tests.dist.jobs import run_grouped, torchrun
 from tests.unit.test_untrusted_checkpoint import poisoned
 
-pytestmark = pytest.mark.slow  # nine torchrun launches: CI's second step (the rollout side and the untrusted-file
+pytestmark = pytest.mark.slow  # six torchrun launches: CI's second step (the rollout side and the untrusted-file
 # checks run in the default suite: tests/unit/test_rollout_checkpoint.py, test_untrusted_checkpoint.py)
 
 
@@ -33,17 +33,51 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("save_layout, save_n, load_layout, load_n", [
-    ("megatron:d1", 1, "megatron:d1", 1),
-    ("megatron:t2", 2, "megatron:d1", 1),  # another layout: TP2 -> one rank
-    ("megatron:d2e2", 2, "megatron:d2e2", 2),  # DP2 x EP2: dense and expert optimizers
-], ids=["same-layout", "tp2-to-1", "ep2dp2"])
-def test_resume_equals_an_uninterrupted_run(moe, tmp_path, save_layout, save_n, load_layout, load_n):
-    run_dir = tmp_path / "run"
-    cont_w, cont = run("save", moe, save_layout, save_n, run_dir, tmp_path / "continuous")
+RESUMES = {"same-layout": ("megatron:d1", 1, "megatron:d1", 1),
+           "tp2-to-1": ("megatron:t2", 2, "megatron:d1", 1),  # another layout: TP2 -> one rank
+           "ep2dp2": ("megatron:d2e2", 2, "megatron:d2e2", 2)}  # DP2 x EP2: dense and expert optimizers
+SAVES = {**{name: (layout, n) for name, (layout, n, _, _) in RESUMES.items()},
+         "refused": ("megatron:d2e2", 2), "crafted": ("megatron:d1", 1)}
+
+
+def job(mode, moe, layout, root, name, out):
+    return ["checkpoint_worker.py", "--mode", mode, "--model", str(moe), "--layout", layout,
+            "--run-dir", str(root / name / "run"), "--out", str(root / name / out)]
+
+
+@pytest.fixture(scope="module")
+def saved(moe, tmp_path_factory):
+    """Every save of this module (a run to a checkpoint, then one more step: the uninterrupted reference), in one
+    launch per rank count (jobs.run_grouped): name -> its folder."""
+    root = tmp_path_factory.mktemp("saved")
+    errors = run_grouped({name: (n, job("save", moe, layout, root, name, "continuous"))
+                          for name, (layout, n) in SAVES.items()}, root / "launches")
+    assert all(e is None for e in errors.values()), errors
+    return {name: root / name for name in SAVES}
+
+
+@pytest.fixture(scope="module")
+def resumed(moe, saved, tmp_path_factory):
+    root = tmp_path_factory.mktemp("resumed")
+    errors = run_grouped({name: (n, ["checkpoint_worker.py", "--mode", "load", "--model", str(moe), "--layout", layout,
+                                     "--run-dir", str(saved[name] / "run"), "--out", str(saved[name] / "resumed")])
+                          for name, (_, _, layout, n) in RESUMES.items()}, root)
+    return errors
+
+
+def read(out):
+    return load_file(str(out / "weights.safetensors")), json.loads((out / "stats.json").read_text())
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_resume_equals_an_uninterrupted_run(saved, resumed, name):
+    save_layout, _, load_layout, _ = RESUMES[name]
+    run_dir = saved[name] / "run"
+    cont_w, cont = read(saved[name] / "continuous")
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None and ckpt.name == "step_00000000" and not list(ckpt.parent.glob("*.partial"))
-    res_w, res = run("load", moe, load_layout, load_n, run_dir, tmp_path / "resumed")
+    assert resumed[name] is None, resumed[name]
+    res_w, res = read(saved[name] / "resumed")
     assert res["lr"] == pytest.approx(cont["lr"], rel=1e-9)  # the LR schedule continued (warmup + cosine)
     tol = 1e-6 if save_layout == load_layout else 2e-5
     assert max_diff(res_w, cont_w) < tol  # Adam moments restored: the same update as without the restart
@@ -51,16 +85,13 @@ def test_resume_equals_an_uninterrupted_run(moe, tmp_path, save_layout, save_n, 
         assert res["draw"] == cont["draw"]  # RNG states restored
 
 
-def test_a_resume_that_would_split_the_optimizer_differently_is_refused(moe, tmp_path):
-    run_dir = tmp_path / "run"
-    run("save", moe, "megatron:d2e2", 2, run_dir, tmp_path / "o")
+def test_a_resume_that_would_split_the_optimizer_differently_is_refused(moe, saved, tmp_path):
     with pytest.raises(AssertionError, match=r"CheckpointError: .*optimizer has 2 parts .*this layout's has 1"):
-        run("load", moe, "megatron:d1", 1, run_dir, tmp_path / "r")
+        run("load", moe, "megatron:d1", 1, saved["refused"] / "run", tmp_path / "r")
 
 
-def test_crafted_pickles_are_refused(moe, tmp_path):
-    run_dir = tmp_path / "run"
-    run("save", moe, "megatron:d1", 1, run_dir, tmp_path / "o")
+def test_crafted_pickles_are_refused(moe, saved, tmp_path):
+    run_dir = saved["crafted"] / "run"
     ckpt = latest_checkpoint(run_dir)
     model = ckpt / "model"
     t0 = time.monotonic()

@@ -12,6 +12,7 @@ import torch
 
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.fleet import Fleet, FleetConfig
+from mega_async.inference.fleet.schedule import parse_fractions, random_schedule
 from mega_async.rollout.dataloader import Sample
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.ledger import Ledger
@@ -35,16 +36,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--failures", default="", help="kind=fraction,... (crash, hang, slow, error): the fleet's own "
+                                                     "random schedule over the first 6 s instead of 10%% crashes")
     a = ap.parse_args()
     models = build_model(a.model, "megatron:d1", load_weights=True)
     cfg = FleetConfig(length_median=40, length_sigma=0.8, token_latency_s=0.004, batch_latency_s=1e-4, ttft_s=0.005,
                       load_s=0.0)
     rng = random.Random(a.seed)
-    killed = rng.sample(range(a.servers), max(1, a.servers // 10))
-    result: dict = {"killed": killed}
+    schedule = random_schedule(a.servers, a.seed, (0.2, 6.0), parse_fractions(a.failures), (0.5, 3.0)) \
+        if a.failures else []
+    killed = [e.server for e in schedule if e.kind == "crash"] if a.failures else \
+        rng.sample(range(a.servers), max(1, a.servers // 10))
+    result: dict = {"killed": killed, "schedule": [e.to_dict() for e in schedule]}
     out_dir = Path(a.out).parent
     try:
-        with Fleet(a.servers, cfg, procs=2) as fleet:
+        with Fleet(a.servers, cfg, procs=2, schedule=schedule) as fleet:
             version = WeightVersion()
             client = SGLangClient(fleet.addresses, version=version, health_check_interval=0.2, retry_backoff=0.05,
                                   unhealthy_timeout=60)
@@ -55,11 +61,11 @@ def main() -> None:
                                          bucket_bytes=256 << 10, timeout=60, data_plane="none")
             items = (Sample(k, 0, {"input_ids": [k % 97 + 3, k % 89 + 5, 7, k % 1000]})
                      for k in range(100_000))
-            schedule = sorted((rng.uniform(0.2, 6.0), i) for i in killed)  # kill moments over the first steps
+            kills = [] if a.failures else sorted((rng.uniform(0.2, 6.0), i) for i in killed)  # over the first steps
 
             def killer() -> None:
                 t0 = time.monotonic()
-                for at, i in schedule:
+                for at, i in kills:
                     time.sleep(max(0.0, t0 + at - time.monotonic()))
                     fleet.fail(i, "crash", duration=rng.uniform(0.5, 3.0))
 
