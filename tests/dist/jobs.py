@@ -1,6 +1,7 @@
 """Several torchrun worker scripts in one launch: each process imports torch, Megatron-Core and the bridge once
 (about 10 s a launch on 2 cores) and runs the scripts one after another, as `torchrun <script> <args>` would,
-with Megatron's parallel state torn down between them and torch.distributed's default group kept.
+with Megatron's parallel state torn down between them, the environment restored, and torch.distributed's default
+group kept.
 
     results = run_jobs(2, {"tp2": ["engine_worker.py", "--layout", "megatron:t2", ...], ...}, out_dir)
     assert results["tp2"] is None, results["tp2"]     # None: passed; else the rank's traceback
@@ -88,7 +89,10 @@ def _main(spec: Path) -> None:
     real = par.destroy_parallel_state
     par.destroy_parallel_state = _between_jobs  # the scripts import it by name when they run
     try:
+        env = dict(os.environ)
         for name, (script, *args) in jobs.items():
+            os.environ.clear()  # as launched: Megatron's configs write NVTE_* (attention backend) into it
+            os.environ.update(env)
             path = HERE / script
             sys.argv = [str(path), *args]
             try:
