@@ -431,12 +431,15 @@ class SGLangClient:
         """A server answering /health again generates only with the weights the last sync set: a restarted
         process has its launch weights and one that was down during a sync missed it. Behind, it is kept out
         (it still gets every weight sync) and the `recover` hook, if set, brings it up to date; a later probe
-        admits it. Before this client's first sync every server has its launch weights: admitted at once."""
+        admits it. Before this client's first sync every server has its launch weights: admitted on any answer.
+        One whose /health answers while its other calls fail (5xx) stays out and is probed again later."""
+        try:
+            status, info = await self._request("GET", s, "/model_info", timeout=5.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return
+        if status >= 500:
+            return
         if self._served is not None:
-            try:
-                status, info = await self._request("GET", s, "/model_info", timeout=5.0)
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                return
             have = info.get("weight_version") if status == 200 and isinstance(info, dict) else None
             if str(have) != self._served:
                 self._set_behind(s, have)
@@ -560,9 +563,10 @@ class SGLangClient:
         return NoHealthyServerError(f"no usable inference server{after} ({why}); check the servers' logs")
 
     def _mark_unhealthy(self, s: _Server, why: str) -> None:
-        if s.healthy:
+        if s.healthy or s.behind:
             logger.warning("server %s marked unhealthy: %s", s.address, why)
         s.healthy = False
+        s.behind = False  # failing, not just behind: no sync target until it answers again (then behind, if so)
         s.last_probe = time.monotonic()
         if s.dropped is None:
             self._suspects.add(self._index.get(id(s), -1))
@@ -803,7 +807,11 @@ class SGLangClient:
                 if check:
                     raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
                 return None
+            if status >= 500:  # failing inside: out of generation and of the next sync until it answers again
+                self._mark_unhealthy(s, f"{path} answered {status}: {_error_message(out)[:200]}")
             ok = status == 200 and not (isinstance(out, dict) and out.get("success") is False)
+            if not ok and status == 400 and _lost_state(_error_message(out)):  # restarted since the sync began?
+                await self._restarted(s, timeout)  # then behind, and the sync is done again (it needs a new group)
             if not ok and check:
                 msg = out.get("message") if isinstance(out, dict) else out
                 raise ServerError(f"{s.address}{path} answered {status}: {msg}")
@@ -897,8 +905,8 @@ class SGLangClient:
                                  timeout: Optional[float] = None) -> list[str]:
         """The sync's commit: an empty /update_weights_from_distributed that sets `version` on every server of
         the group (SGLang sets weight_version only on success). Every bucket reached every server before it, so
-        a server lost since (unreachable, or a new process that no longer has this sync's session or group) is
-        left out rather than failing the others: it is marked down or behind and comes back through recovery or
+        a server lost since (unreachable, answering 5xx, or a new process that no longer has this sync's session or
+        group) is left out rather than failing the others: it is marked down or behind and comes back through recovery or
         the next sync. Returns the servers lost; raises ServerError for any other refusal, or when none is left."""
         body: dict[str, Any] = {"names": [], "dtypes": [], "shapes": [], "group_name": group_name,
                                 "flush_cache": flush_cache, "weight_version": str(version)}
@@ -916,6 +924,10 @@ class SGLangClient:
             if status == 200 and not (isinstance(out, dict) and out.get("success") is False):
                 return None
             msg = _error_message(out)
+            if status >= 500:  # failing inside: down until it answers again, then behind
+                self._mark_unhealthy(s, f"commit answered {status}: {msg[:200]}")
+                lost.append(s.address)
+                return None
             if status == 400 and _lost_state(msg) and await self._restarted(s, timeout):  # at launch weights
                 lost.append(s.address)
                 return None
@@ -955,11 +967,13 @@ class SGLangClient:
 
         A server whose version cannot be read (None) learns whether it needs sessions from its first
         /begin_weight_update (404: a release before 0.5.21). Servers of different releases may serve one run:
-        each is spoken to in its own protocol."""
-        return await self._learn(self.servers, timeout)
+        each is spoken to in its own protocol. A server that is down (unreachable or answering 5xx) is marked so
+        and None in the list: it is asked again before its first weight update."""
+        return await self._learn(self.servers, timeout, down_ok=True)
 
-    async def _learn(self, servers: Sequence[_Server], timeout: Optional[float]) -> list[Release]:
-        async def one(s: _Server) -> Release:
+    async def _learn(self, servers: Sequence[_Server], timeout: Optional[float],
+                     down_ok: bool = False) -> list[Optional[Release]]:
+        async def one(s: _Server) -> Optional[Release]:
             if s.release is None:
                 version: Any = None
                 embedded = False
@@ -968,10 +982,16 @@ class SGLangClient:
                         status, out = await self._request("GET", s, path, timeout=timeout)
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                         self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
+                        if down_ok:
+                            return None
                         raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
                     if status == 200 and isinstance(out, dict):
                         version, embedded = out.get("version"), out.get("embedded_server") is not None
                         break
+                    if status >= 500:
+                        self._mark_unhealthy(s, f"{path} answered {status}")
+                        if down_ok:
+                            return None
                     if status != 404:
                         raise ServerError(f"{s.address}{path} answered {status}: {_error_message(out)}")
                 s.release = Release.of(version, embedded)
@@ -1044,10 +1064,13 @@ class SGLangClient:
     async def _control(self, s: _Server, path: str, body: Optional[dict], timeout: Optional[float],
                        method: str = "POST") -> tuple[int, Any]:
         try:
-            return await self._request(method, s, path, body, timeout=timeout)
+            status, out = await self._request(method, s, path, body, timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
             raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+        if status >= 500:
+            self._mark_unhealthy(s, f"{path} answered {status}: {_error_message(out)[:200]}")
+        return status, out
 
     async def weights_checksums(self, timeout: Optional[float] = None,
                                 addresses: Optional[Sequence[str]] = None) -> list[dict]:
@@ -1080,15 +1103,17 @@ class SGLangClient:
         await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False,
                              servers=members)
 
-    async def server_info(self, timeout: Optional[float] = None) -> list[dict]:
-        """Every server's GET /server_info (raises ServerError)."""
+    async def server_info(self, timeout: Optional[float] = None,
+                          addresses: Optional[Sequence[str]] = None) -> list[dict]:
+        """Every server's (`addresses`, default all) GET /server_info (raises ServerError)."""
         async def one(s: _Server) -> dict:
             status, out = await self._control(s, "/server_info", None, timeout, method="GET")
             if status != 200 or not isinstance(out, dict):
                 raise ServerError(f"{s.address}/server_info answered {status}: {_error_message(out)}")
             return out
 
-        return list(await asyncio.gather(*(one(s) for s in self.servers)))
+        targets = self._named(addresses) if addresses is not None else self.servers
+        return list(await asyncio.gather(*(one(s) for s in targets)))
 
     async def model_info(self, addresses: Optional[Sequence[str]] = None) -> list[dict]:
         async def one(s: _Server) -> dict:

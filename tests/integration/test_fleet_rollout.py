@@ -451,3 +451,29 @@ def test_push_is_done_again_while_servers_keep_going_down_and_then_gives_up(flee
         sync.close()
         for i in range(1, 6):
             fleet.recover(i)
+
+
+def test_a_server_whose_calls_fail_while_health_answers_stays_out_of_syncs_until_it_recovers(fleet):
+    """The fleet's `error` failure: /health answers 200, every other call 503. A control call's 5xx takes the
+    server out of generation and of the sync targets (a sync is then done without it); its /health alone does not
+    bring it back (its /model_info still fails), and learn_releases names it down instead of failing the run."""
+    from mega_async.inference.client import ServerError
+
+    client = SGLangClient(fleet.addresses[6:8], health_check_interval=0.05, retry_backoff=0.01)
+    fleet.fail(7, "error")
+    try:
+        releases = asyncio.run(client.learn_releases(timeout=10))
+        assert releases[0] is not None and releases[1] is None
+        assert [s.address for s in client.sync_targets()] == [client.servers[0].address]
+        asyncio.run(client.probe_down())  # /health says 200; /model_info says 503: still out
+        assert not client.servers[1].healthy and len(client.sync_targets()) == 1
+        fleet.recover(7)
+        asyncio.run(client.probe_down())
+        assert client.servers[1].healthy
+        fleet.fail(7, "error")
+        with pytest.raises(ServerError, match="answered 503"):
+            asyncio.run(client.pause_generation(timeout=10))
+        assert not client.servers[1].healthy and len(client.sync_targets()) == 1
+        asyncio.run(client.continue_generation())
+    finally:
+        fleet.recover(7)

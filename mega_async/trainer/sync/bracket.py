@@ -168,7 +168,9 @@ class WeightSync(Verification):
         except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
             logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
             behind = set()
-        now = {s.address for s in client.sync_targets()}
+        targets = client.sync_targets()
+        now = {s.address for s in targets}
+        behind |= {s.address for s in targets if s.rejoin}  # restarted since its group was built (found by a refusal)
         return [a for a in self._targets if a not in now or a in behind]
 
     def _membership(self) -> None:

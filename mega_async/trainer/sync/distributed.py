@@ -79,7 +79,7 @@ class DistributedWeightSync(WeightSync):
         self.pg: Any = None
         self._init_error: Optional[str] = None
         self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
-        self._fleet_checked = False  # data_plane="none": the servers were checked to be simulated ones
+        self._fleet_checked: set[str] = set()  # data_plane="none": servers checked to be simulated ones
         self._group_on_servers = False  # the servers were told of a group this side has left
         if self.resharder.is_stage_head:
             try:
@@ -92,11 +92,20 @@ class DistributedWeightSync(WeightSync):
                 if self.rollout is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
                     releases = self._loop.run(self.client.learn_releases(self.timeout), self.timeout + 10)
                     logger.info("servers' SGLang releases: %s", ", ".join(
-                        f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}"
-                        for a, r in zip(self.client.addresses, releases)))
+                        f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}" if r is not None else
+                        f"{a} down (asked before its first update)" for a, r in zip(self.client.addresses, releases)))
                 self._master_address = master_address or _reachable_address(addresses)
-                self._init_group(self._master_address)
             except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
+                self._init_error = f"{type(e).__name__}: {e}"
+        # rank 0 names the members (the servers up now; one down at start joins a later sync), every head builds
+        members = from_rank0([s.address for s in self.client.sync_targets()]
+                             if self.rollout is not None and self.client is not None else None, self.group)
+        if self.resharder.is_stage_head and self._init_error is None:
+            try:
+                if not members and self.rollout is not None:
+                    raise ValueError("no inference server is up to take the weights; check the servers' logs")
+                self._init_group(self._master_address, members)
+            except Exception as e:  # noqa: BLE001 - agreed below
                 self._init_error = f"{type(e).__name__}: {e}"
         # pipeline stages stream one after another: concurrent groups through the same servers could
         # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
@@ -107,6 +116,14 @@ class DistributedWeightSync(WeightSync):
             heads = [h for x in every for h in x]
         self._stage_heads = dict(heads)
         errors = agree(self._init_error, self.group)
+        lost = from_rank0([a for a in members or () if a not in {s.address for s in self.client.sync_targets()}]
+                          if errors and self.rollout is not None and self.client is not None else None, self.group)
+        if errors and lost:  # a member went down while the group was built: the first push builds it again
+            if self.rollout is not None:
+                logger.warning("server(s) %s went down while the weight-update group was built; the first push "
+                               "builds it again without them", ", ".join(lost))
+            self._abort()
+            errors = []
         if errors:
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
@@ -167,14 +184,14 @@ class DistributedWeightSync(WeightSync):
     def _init_control_plane_only(self, address: str, port: int, addresses: Optional[list[str]] = None) -> None:
         """data_plane="none": the servers are told of a group nobody joins and no tensor moves. Only simulated fleet
         servers that say so in /server_info take part (a real server would wait for a broadcast)."""
-        if not self._fleet_checked:  # once: the servers are the same processes' kind after
-            infos = self._loop.run(self.client.server_info(self.timeout), self.timeout + 10)
-            real = [a for a, i in zip(self.client.addresses, infos)
-                    if (i.get("fleet") or {}).get("data_plane") != "none"]
+        unchecked = [a for a in addresses or self.client.addresses if a not in self._fleet_checked]
+        if unchecked:  # once per server (a member the first time it joins): the same process kind after
+            infos = self._loop.run(self.client.server_info(self.timeout, addresses=unchecked), self.timeout + 10)
+            real = [a for a, i in zip(unchecked, infos) if (i.get("fleet") or {}).get("data_plane") != "none"]
             if real:
                 raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} "
                                  "has one: use the default data_plane='broadcast'")
-            self._fleet_checked = True
+            self._fleet_checked.update(unchecked)
         self._loop.run(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
                                                              gpus_per_server=self.gpus_per_server,
                                                              timeout=self.timeout, addresses=addresses),

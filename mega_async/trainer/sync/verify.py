@@ -48,7 +48,7 @@ class Verification:
             releases = self._loop.run(client.learn_releases(self.timeout), self.timeout + 10)
         except Exception:  # noqa: BLE001 - the probe reports an unreachable server itself
             return "probe"
-        return "probe" if all(r.embedded for r in releases) else "checksum"
+        return "probe" if all(r.embedded for r in releases if r is not None) else "checksum"
 
     def _verify_checksums(self) -> Optional[str]:
         """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
