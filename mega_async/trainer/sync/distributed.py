@@ -97,7 +97,19 @@ class DistributedWeightSync(WeightSync):
                 self._master_address = master_address or _reachable_address(addresses)
             except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
                 self._init_error = f"{type(e).__name__}: {e}"
-        # rank 0 names the members (the servers up now; one down at start joins a later sync), every head builds
+        # pipeline stages stream one after another: concurrent groups through the same servers could
+        # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
+        heads = [(self.resharder.pp_rank, rank())] if self.resharder.is_stage_head else []
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, heads, group=self.group)
+            heads = [h for x in every for h in x]
+        self._stage_heads = dict(heads)
+        self._first_group()
+
+    def _first_group(self) -> None:
+        """Every rank, at construction: rank 0 names the members (the servers up now; one down at start joins a
+        later sync) and every stage head builds its group. A member lost meanwhile leaves it to the first push."""
         members = from_rank0([s.address for s in self.client.sync_targets()]
                              if self.rollout is not None and self.client is not None else None, self.group)
         if self.resharder.is_stage_head and self._init_error is None:
@@ -107,14 +119,6 @@ class DistributedWeightSync(WeightSync):
                 self._init_group(self._master_address, members)
             except Exception as e:  # noqa: BLE001 - agreed below
                 self._init_error = f"{type(e).__name__}: {e}"
-        # pipeline stages stream one after another: concurrent groups through the same servers could
-        # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
-        heads = [(self.resharder.pp_rank, rank())] if self.resharder.is_stage_head else []
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, heads, group=self.group)
-            heads = [h for x in every for h in x]
-        self._stage_heads = dict(heads)
         errors = agree(self._init_error, self.group)
         lost = from_rank0([a for a in members or () if a not in {s.address for s in self.client.sync_targets()}]
                           if errors and self.rollout is not None and self.client is not None else None, self.group)
