@@ -61,8 +61,8 @@ def main() -> None:
         with Fleet(1, cfg, in_thread=True) as fleet:  # a server without the fleet's marker: refused up front
             orig = SGLangClient.server_info
 
-            async def real_server_info(self, timeout=None):
-                return [{k: v for k, v in i.items() if k != "fleet"} for i in await orig(self, timeout)]
+            async def real_server_info(self, timeout=None, addresses=None):
+                return [{k: v for k, v in i.items() if k != "fleet"} for i in await orig(self, timeout, addresses)]
 
             SGLangClient.server_info = real_server_info  # what a real SGLang answers: no "fleet" section
             try:
