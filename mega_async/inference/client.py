@@ -905,9 +905,9 @@ class SGLangClient:
                                  timeout: Optional[float] = None) -> list[str]:
         """The sync's commit: an empty /update_weights_from_distributed that sets `version` on every server of
         the group (SGLang sets weight_version only on success). Every bucket reached every server before it, so
-        a server lost since (unreachable, answering 5xx, or a new process that no longer has this sync's session or
-        group) is left out rather than failing the others: it is marked down or behind and comes back through recovery or
-        the next sync. Returns the servers lost; raises ServerError for any other refusal, or when none is left."""
+        a server lost since (unreachable, answering 5xx, or a new process that no longer has this sync's session
+        or group) is left out rather than failing the others: it is marked down or behind and comes back through
+        recovery or the next sync. Returns the servers lost; raises ServerError for any other refusal, or when none is left."""
         body: dict[str, Any] = {"names": [], "dtypes": [], "shapes": [], "group_name": group_name,
                                 "flush_cache": flush_cache, "weight_version": str(version)}
         servers = self._group if self._group is not None else self.sync_targets()

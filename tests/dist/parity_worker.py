@@ -113,7 +113,8 @@ def main() -> None:
     if rank == 0:
         save_file(stepped, f"{args.out}/stepped.safetensors")
         with open(f"{args.out}/parallel.json", "w") as f:  # the layout it really ran at (jobs share a process)
-            json.dump({"tp": mpu.get_tensor_model_parallel_world_size(), "pp": mpu.get_pipeline_model_parallel_world_size(),
+            json.dump({"tp": mpu.get_tensor_model_parallel_world_size(),
+                       "pp": mpu.get_pipeline_model_parallel_world_size(),
                        "ep": mpu.get_expert_model_parallel_world_size(),
                        "etp": mpu.get_expert_tensor_parallel_world_size(),
                        "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1}, f)

@@ -35,7 +35,8 @@ def main() -> None:
         save_file(tensors, f"{args.out}/stage{rs.pp_rank}.safetensors")
         with open(f"{args.out}/stage{rs.pp_rank}.json", "w") as f:
             json.dump({"buckets": buckets, "max_bucket_bytes": held, "rank": dist.get_rank(),
-                       "tp": mpu.get_tensor_model_parallel_world_size(), "ep": mpu.get_expert_model_parallel_world_size(),
+                       "tp": mpu.get_tensor_model_parallel_world_size(),
+                       "ep": mpu.get_expert_model_parallel_world_size(),
                        "vpp": mpu.get_virtual_pipeline_model_parallel_world_size() or 1}, f)
     destroy_parallel_state()
 
