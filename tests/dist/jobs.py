@@ -56,6 +56,9 @@ def run_jobs(nproc: int, jobs: dict[str, list[str]], out_dir: Path, timeout: flo
             results[name] = None
         else:
             results[name] = f"did not run: the launch ended before it (exit {r.returncode}):\n{r.stderr[-6000:]}"
+    if r.returncode != 0 and all(v is None for v in results.values()):  # e.g. a rank aborted at exit: as torchrun
+        results = {name: f"every job ran, but the launch exited with {r.returncode}:\n{r.stderr[-6000:]}"
+                   for name in jobs}
     return results
 
 
