@@ -110,9 +110,13 @@ class DistributedWeightSync(WeightSync):
     def _first_group(self) -> None:
         """Every rank, at construction: rank 0 names the members (the servers up now; one down at start joins a
         later sync) and every stage head builds its group. A member lost meanwhile leaves it to the first push."""
+        early = agree(self._init_error, self.group)  # the client, the releases, the address: no group to build
+        if early:
+            self.close()
+            raise SyncError("could not build the weight-update groups: " + "; ".join(early))
         members = from_rank0([s.address for s in self.client.sync_targets()]
                              if self.rollout is not None and self.client is not None else None, self.group)
-        if self.resharder.is_stage_head and self._init_error is None:
+        if self.resharder.is_stage_head:
             try:
                 if not members and self.rollout is not None:
                     raise ValueError("no inference server is up to take the weights; check the servers' logs")
