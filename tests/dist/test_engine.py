@@ -6,17 +6,14 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
 from tests.dist.jobs import run_jobs
 
 KL_ARGS = ("--kl-coef", "0.5", "--kl-estimator", "k3", "--steps", "2")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    d = tmp_path_factory.mktemp("eng")
-    return {"moe": init_random_weights(TINY_MOE, d / "moe", seed=0),
-            "dense": init_random_weights(TINY_DENSE, d / "dense", seed=0)}
+def models(tiny_weights):
+    return tiny_weights
 
 
 @pytest.fixture(scope="module")

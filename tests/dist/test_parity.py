@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
 from mega_async.trainer.parallel import parse_allocation
 from tests.dist.jobs import run_jobs
 
@@ -37,10 +36,8 @@ def result(runs: dict, name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def weights(tmp_path_factory):
-    root = tmp_path_factory.mktemp("parity")
-    return {"moe": init_random_weights(TINY_MOE, root / "moe", seed=0),
-            "dense": init_random_weights(TINY_DENSE, root / "dense", seed=0)}
+def weights(tiny_weights):
+    return tiny_weights
 
 
 @pytest.fixture(scope="module")
