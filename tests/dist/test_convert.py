@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from mega_async.comm import free_port
 from mega_async.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
+from tests.dist.jobs import run_grouped
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "convert_checkpoint.py"
@@ -28,25 +29,66 @@ def same_weights(a: Path, b: Path) -> bool:
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) and x[k].dtype == y[k].dtype for k in x)
 
 
-@pytest.mark.parametrize("card, save_layout, save_np, load_layout, load_np", [
-    (TINY_MOE, "megatron:t2", 2, None, 1),  # TP2 checkpoint, read back on one rank
-    (TINY_MOE, "megatron:d1", 1, "megatron:d2e2", 2),  # one-rank checkpoint, exported from EP2
-    (TINY_DENSE, "megatron:p2", 2, "megatron:t2", 2),  # PP2 checkpoint resharded to TP2
-], ids=["moe-tp2-to-1", "moe-1-to-ep2", "dense-pp2-to-tp2"])
-def test_round_trip_is_bit_identical(tmp_path, card, save_layout, save_np, load_layout, load_np):
-    hf = init_random_weights(card, tmp_path / "hf", seed=3)
-    r = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "mcore"), "--allocation", save_layout,
-                nproc=save_np)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert "converted hf-to-mcore:" in r.stdout and "tensors" in r.stdout
-    meta = json.loads((tmp_path / "mcore" / "mega_async_meta.json").read_text())
+ROUND_TRIPS = {  # id: (card, save layout, save ranks, load layout, load ranks)
+    "moe-tp2-to-1": ("moe", "megatron:t2", 2, None, 1),  # TP2 checkpoint, read back on one rank
+    "moe-1-to-ep2": ("moe", "megatron:d1", 1, "megatron:d2e2", 2),  # one-rank checkpoint, exported from EP2
+    "dense-pp2-to-tp2": ("dense", "megatron:p2", 2, "megatron:t2", 2),  # PP2 checkpoint resharded to TP2
+}
+
+
+def record(path: Path) -> dict:
+    """What convert_job.py wrote for one conversion: rank 0's exit code, stdout, stderr."""
+    return json.loads(Path(f"{path}.rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def conversions(tmp_path_factory):
+    """Every conversion of the round trips and the errors that need a model built, as jobs of shared launches
+    (tests/dist/jobs.py): saves and error cases first, then the loads; four launches in place of eight."""
+    root = tmp_path_factory.mktemp("convert")
+    hf = {"moe": init_random_weights(TINY_MOE, root / "hf_moe", seed=3),
+          "dense": init_random_weights(TINY_DENSE, root / "hf_dense", seed=3)}
+    bad = init_random_weights(TINY_MOE, root / "hf_bad", seed=0)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd["model.norm.weight"] = torch.ones(65)  # shape disagrees with the config
+    save_file(sd, str(bad / "model.safetensors"))
+    saves, loads = {}, {}
+    for name, (card, save_layout, save_np, load_layout, load_np) in ROUND_TRIPS.items():
+        d = root / name
+        saves[f"{name}.save"] = (save_np, ["convert_job.py", str(d / "save"), "hf-to-mcore", "--hf", str(hf[card]),
+                                           "--out", str(d / "mcore"), "--allocation", save_layout])
+        loads[f"{name}.load"] = (load_np, ["convert_job.py", str(d / "load"), "mcore-to-hf", "--mcore",
+                                           str(d / "mcore"), "--out", str(d / "back"),
+                                           *(["--allocation", load_layout] if load_layout else [])])
+    errors = {  # after the saves of their launch: an error is recorded and the launch goes on
+        "tp3": (1, ["convert_job.py", str(root / "tp3"), "hf-to-mcore", "--hf", str(hf["moe"]), "--out",
+                    str(root / "o_tp3"), "--allocation", "megatron:t3"]),
+        "shape": (1, ["convert_job.py", str(root / "shape"), "hf-to-mcore", "--hf", str(bad), "--out",
+                      str(root / "o_shape")]),
+    }
+    results = run_grouped({**saves, **errors}, root / "phase1")
+    results.update(run_grouped(loads, root / "phase2"))
+    return root, hf, results
+
+
+@pytest.mark.parametrize("name", list(ROUND_TRIPS))
+def test_round_trip_is_bit_identical(conversions, name):
+    root, hf, results = conversions
+    card, save_layout, *_ = ROUND_TRIPS[name]
+    d = root / name
+    assert results[f"{name}.save"] is None, results[f"{name}.save"]
+    r = record(d / "save")
+    assert r["code"] == 0, r["stderr"][-4000:]
+    assert "converted hf-to-mcore:" in r["stdout"] and "tensors" in r["stdout"]
+    meta = json.loads((d / "mcore" / "mega_async_meta.json").read_text())
     assert meta["allocation"] == save_layout
-    args = ["mcore-to-hf", "--mcore", str(tmp_path / "mcore"), "--out", str(tmp_path / "back")]
-    r = convert(*args, *(["--allocation", load_layout] if load_layout else []), nproc=load_np)
-    assert r.returncode == 0, r.stderr[-4000:]
-    assert same_weights(hf, tmp_path / "back")
-    assert (tmp_path / "back" / "tokenizer.json").exists() and (tmp_path / "back" / "config.json").exists()
-    assert not list(tmp_path.glob("*.partial"))
+    assert results[f"{name}.load"] is None, results[f"{name}.load"]
+    r = record(d / "load")
+    assert r["code"] == 0, r["stderr"][-4000:]
+    assert "converted mcore-to-hf:" in r["stdout"]
+    assert same_weights(hf[card], d / "back")
+    assert (d / "back" / "tokenizer.json").exists() and (d / "back" / "config.json").exists()
+    assert not list(d.glob("*.partial"))
 
 
 @pytest.mark.slow  # four torchrun launches
@@ -77,17 +119,17 @@ def test_family_round_trip_is_bit_identical_and_loads_in_transformers(tmp_path, 
         assert torch.equal(a(tokens).logits, b(tokens).logits)
 
 
-def test_clear_errors(tmp_path):
+def test_clear_errors(tmp_path, conversions):
+    # found before any model is built: the tool itself, each in its own process
     r = convert("hf-to-mcore", "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "is not an HF model directory" in r.stderr
     r = convert("mcore-to-hf", "--mcore", str(tmp_path), "--out", str(tmp_path / "o"))
     assert r.returncode == 2 and "not a checkpoint written by hf-to-mcore" in r.stderr
-    hf = init_random_weights(TINY_MOE, tmp_path / "hf", seed=0)
-    r = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o"), "--allocation", "megatron:t3")
-    assert r.returncode == 2 and "tp=3 does not divide num_attention_heads=4" in r.stderr
-    sd = load_file(str(hf / "model.safetensors"))
-    sd["model.norm.weight"] = torch.ones(65)  # shape disagrees with the config
-    save_file(sd, str(hf / "model.safetensors"))
-    r = convert("hf-to-mcore", "--hf", str(hf), "--out", str(tmp_path / "o"))
-    assert r.returncode == 2 and "model.norm.weight" in r.stderr and "(65,)" in r.stderr
-    assert not (tmp_path / "o").exists() and not (tmp_path / "o.partial").exists()
+    # found while the model is built or loaded: jobs of the shared launch
+    root, _, results = conversions
+    assert results["tp3"] is None and results["shape"] is None, results
+    r = record(root / "tp3")
+    assert r["code"] == 2 and "tp=3 does not divide num_attention_heads=4" in r["stderr"]
+    r = record(root / "shape")
+    assert r["code"] == 2 and "model.norm.weight" in r["stderr"] and "(65,)" in r["stderr"]
+    assert not (root / "o_shape").exists() and not (root / "o_shape.partial").exists()
