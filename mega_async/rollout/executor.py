@@ -456,6 +456,13 @@ class WorkflowExecutor:
         if self._fatal is None:  # a stopped rollout stays stopped
             self._runner.resume()
 
+    def parked(self, limit: float):
+        """Context manager: the rollout loop sleeps while the body runs (at most `limit` s). The weight sync's
+        pause fan-out runs under it: the aborted requests' answers that arrive meanwhile are read once it ends,
+        instead of taking the interpreter from the pause calls (at 7,440 aborts over 256 servers they did, for
+        ~1 s of CPU). Nothing is lost: the answers wait in the sockets, and no episode is admitted while paused."""
+        return self._runner.parked(limit)
+
     def set_version(self, v: int) -> None:
         self.staleness.set_version(v)
         self._runner.wake()

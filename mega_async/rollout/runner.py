@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any, Awaitable, Callable, Iterator, Optional
 
 logger = logging.getLogger("mega_async.rollout.runner")
 
@@ -171,6 +172,26 @@ class AsyncTaskRunner:
 
         self._loop.call_soon_threadsafe(run)  # type: ignore[union-attr]
         return fut.result(timeout)
+
+    @contextlib.contextmanager
+    def parked(self, limit: float) -> Iterator[None]:
+        """The loop thread sleeps while the body runs (at most `limit` s), the GIL free for the caller: from its
+        next turn the loop runs no task and reads no socket, and whatever arrives meanwhile waits in the kernel's
+        buffers. No-op from the loop thread itself or when the loop is not running."""
+        loop = self._loop
+        if loop is None or not self._loop_running or threading.get_ident() == self._loop_thread_id:
+            yield
+            return
+        release = threading.Event()
+        try:
+            loop.call_soon_threadsafe(release.wait, limit)
+        except RuntimeError:  # the loop closed meanwhile
+            yield
+            return
+        try:
+            yield
+        finally:
+            release.set()
 
     def wake(self) -> None:
         """Re-evaluate admission (after a submit, a finished task, a version bump or resume)."""

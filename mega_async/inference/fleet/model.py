@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
 POOL_SIZE = 1 << 16
+ENTRY_TABLES = 8  # versions whose logprob entries are kept built (~7 MB each)
 
 
 @dataclass
@@ -100,6 +101,7 @@ class TokenModel:
         self.ids = [rng.randrange(cfg.vocab_size) for _ in range(POOL_SIZE)]
         self.spread = [rng.random() for _ in range(POOL_SIZE)]
         self._mu = math.log(cfg.length_median)
+        self._tables: dict[int, list[list]] = {}  # version -> logprob entries of the token pool
 
     def length(self, key: int) -> int:
         """Tokens a fresh request means to make before its stop token (lognormal, seeded by the prompt); a request
@@ -119,13 +121,33 @@ class TokenModel:
         return [self.ids[(o + i) % POOL_SIZE] for i in range(n)]
 
     def logprob_entries(self, offset: int, ids: list[int], versions: list[tuple[int, int, int]]) -> list[list]:
-        """SGLang's output_token_logprobs entries [logprob, token id, None] over spans (start, end, version)."""
+        """SGLang's output_token_logprobs entries [logprob, token id, None] over spans (start, end, version).
+
+        Entries are slices of one table per version (built once, the last few versions kept): an abort pause
+        answers thousands of partial outputs at once, and building each entry anew was half the fleet's CPU
+        there. The table's entries are shared between answers (they are only serialized); a token that is not
+        the pool's (the stop token put last) gets its own entry."""
         out: list[list] = []
-        sp = self.spread
         for a, b, v in versions:
-            base = v + 0.25
-            out += [[-(base + 0.5 * sp[(offset + i) % POOL_SIZE]), ids[i], None] for i in range(a, b)]
+            table = self._entry_table(v)
+            o, n = (offset + a) % POOL_SIZE, b - a
+            if o + n <= POOL_SIZE:
+                out += table[o:o + n]
+            else:
+                out += table[o:]
+                out += table[:n - (POOL_SIZE - o)]
+        if out and out[-1][1] != ids[len(out) - 1]:
+            out[-1] = [out[-1][0], ids[len(out) - 1], None]
         return out
+
+    def _entry_table(self, version: int) -> list[list]:
+        table = self._tables.get(version)
+        if table is None:
+            base, sp, ids = version + 0.25, self.spread, self.ids
+            table = self._tables[version] = [[-(base + 0.5 * sp[i]), ids[i], None] for i in range(POOL_SIZE)]
+            while len(self._tables) > ENTRY_TABLES:  # the oldest version first (dicts keep insertion order)
+                del self._tables[next(iter(self._tables))]
+        return table
 
     def token_latency(self, batch: int, slow: float = 1.0) -> float:
         """Seconds per token for each running request when `batch` run together."""

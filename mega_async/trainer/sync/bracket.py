@@ -110,8 +110,10 @@ class WeightSync(Verification):
                         if self.interrupt == "none":  # the non-interruptible baseline: generation finishes first
                             self._wait(r.client.wait_idle(self.timeout))
                         mode = "abort" if self.interrupt == "none" else self.interrupt
-                        # the HTTP call carries the same timeout, so it cannot land after continue
-                        self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout))
+                        # the HTTP call carries the same timeout, so it cannot land after continue; the rollout
+                        # loop sleeps meanwhile, so digesting the aborted answers does not slow the pause calls
+                        with self._rollout_parked(r):
+                            self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout))
                         self.events.emit("sync_end", phase="pause")
                         yield
                     finally:  # also when pausing failed half-way: no server stays paused
@@ -126,6 +128,10 @@ class WeightSync(Verification):
                 if r.executor is not None:
                     r.executor.resume()
                     r.executor.wake()
+
+    def _rollout_parked(self, r: RolloutSide) -> Any:
+        """The executor's rollout loop asleep (a bare client has no loop of its own to park)."""
+        return r.executor.parked(self.timeout + 10) if r.executor is not None else contextlib.nullcontext()
 
     def push(self) -> dict[str, float]:
         """New weights to every server, version += 1 (all trainer ranks call it). Raises SyncError.
