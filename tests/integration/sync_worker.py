@@ -12,6 +12,7 @@ After a failure both live servers must serve their old weights, continued, at ve
 """
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import threading
 import time
@@ -46,15 +47,17 @@ def main() -> None:
     ap.add_argument("--sglang-versions", default="0.5.23,0.5.23", help="the release each server mirrors")
     args = ap.parse_args()
     mirrors = args.sglang_versions.split(",")
-    models = build_model(args.model, "megatron:d1", load_weights=True)
     launchers = [ServerLauncher(ServerSpec("embedded", m, num_servers=1, num_threads=1,
                                            extra_args=["--weight-update-timeout", "20",
                                                        "--sglang-version", mirrors[i]]),
                                 log_dir=f"{args.logs}/s{i}", startup_timeout=120)
                  for i, m in enumerate([args.model, args.second_model])]
     result: dict = {"case": args.case}
+    pool = concurrent.futures.ThreadPoolExecutor(len(launchers))
     try:
-        addresses = [a for launcher in launchers for a in launcher.start()]
+        starting = [pool.submit(launcher.start) for launcher in launchers]  # both boot while the model is built
+        models = build_model(args.model, "megatron:d1", load_weights=True)
+        addresses = [a for f in starting for a in f.result()]
         version = WeightVersion()
         client = SGLangClient(addresses, version=version, health_check_interval=0.2)
         sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, bucket_bytes=64 << 10,
@@ -131,6 +134,7 @@ def main() -> None:
             result["after_refused_version"] = version.value
         sync.close()
     finally:
+        pool.shutdown(wait=True)  # a launcher still starting finishes (or fails) before it is stopped
         for launcher in launchers:
             launcher.stop()
         with open(args.out, "w") as f:

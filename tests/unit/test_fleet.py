@@ -82,7 +82,9 @@ def test_logprobs_encode_the_version(version):
         assert version_of_logprob(logprob_for(version, u)) == version
 
 
-def test_logprob_entries_are_each_tokens_own_across_spans_the_pool_end_and_a_stop_token():
+def test_logprob_json_is_each_tokens_own_entry_across_spans_the_pool_end_and_a_stop_token():
+    import json
+
     from mega_async.inference.fleet.model import ENTRY_TABLES, POOL_SIZE
 
     m = TokenModel(FleetConfig())
@@ -91,15 +93,15 @@ def test_logprob_entries_are_each_tokens_own_across_spans_the_pool_end_and_a_sto
         ids = m.tokens(offset, n)
         if ids:
             ids[-1] = 999_999  # the stop token, put last (not the pool's)
-        got = m.logprob_entries(offset, ids, spans)
+        got = json.loads(m.logprob_json(offset, ids, spans))
         want = [[logprob_for(v, m.spread[(offset + i) % POOL_SIZE]), ids[i], None]
                 for a, b, v in spans for i in range(a, b)]
         assert got == want
-    before = m.logprob_entries(0, m.tokens(0, 3), [(0, 3, 0)])
+    before = m.logprob_json(0, m.tokens(0, 3), [(0, 3, 0)])
     for v in range(1, ENTRY_TABLES + 3):  # old versions' tables are dropped, and built again when asked
-        m.logprob_entries(0, m.tokens(0, 3), [(0, 3, v)])
+        m.logprob_json(0, m.tokens(0, 3), [(0, 3, v)])
     assert len(m._tables) == ENTRY_TABLES
-    assert m.logprob_entries(0, m.tokens(0, 3), [(0, 3, 0)]) == before
+    assert m.logprob_json(0, m.tokens(0, 3), [(0, 3, 0)]) == before
 
 
 def test_config_and_schedule_errors_are_one_line():

@@ -15,8 +15,19 @@ import random
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+try:
+    import orjson
+
+    def dumps(obj: Any) -> bytes:
+        return orjson.dumps(obj)
+except ImportError:  # pragma: no cover - orjson is optional
+    import json
+
+    def dumps(obj: Any) -> bytes:
+        return json.dumps(obj, separators=(",", ":")).encode()
+
 POOL_SIZE = 1 << 16
-ENTRY_TABLES = 8  # versions whose logprob entries are kept built (~7 MB each)
+ENTRY_TABLES = 8  # versions whose logprob entries are kept serialized (~4 MB each)
 
 
 @dataclass
@@ -101,7 +112,7 @@ class TokenModel:
         self.ids = [rng.randrange(cfg.vocab_size) for _ in range(POOL_SIZE)]
         self.spread = [rng.random() for _ in range(POOL_SIZE)]
         self._mu = math.log(cfg.length_median)
-        self._tables: dict[int, list[list]] = {}  # version -> logprob entries of the token pool
+        self._tables: dict[int, list[bytes]] = {}  # version -> JSON of the token pool's logprob entries
 
     def length(self, key: int) -> int:
         """Tokens a fresh request means to make before its stop token (lognormal, seeded by the prompt); a request
@@ -120,14 +131,13 @@ class TokenModel:
             return self.ids[o:o + n]
         return [self.ids[(o + i) % POOL_SIZE] for i in range(n)]
 
-    def logprob_entries(self, offset: int, ids: list[int], versions: list[tuple[int, int, int]]) -> list[list]:
-        """SGLang's output_token_logprobs entries [logprob, token id, None] over spans (start, end, version).
-
-        Entries are slices of one table per version (built once, the last few versions kept): an abort pause
-        answers thousands of partial outputs at once, and building each entry anew was half the fleet's CPU
-        there. The table's entries are shared between answers (they are only serialized); a token that is not
-        the pool's (the stop token put last) gets its own entry."""
-        out: list[list] = []
+    def logprob_json(self, offset: int, ids: list[int], versions: list[tuple[int, int, int]]) -> bytes:
+        """SGLang's output_token_logprobs, [[logprob, token id, null], ...] over spans (start, end, version), as
+        JSON text. Each entry's text comes from one table per version (built once, the last few versions kept):
+        an abort pause answers thousands of partial outputs at once, and building and serializing every entry
+        anew was 70% of the fleet's CPU there. A token that is not the pool's (the stop token put last) gets its
+        own entry."""
+        out: list[bytes] = []
         for a, b, v in versions:
             table = self._entry_table(v)
             o, n = (offset + a) % POOL_SIZE, b - a
@@ -136,15 +146,18 @@ class TokenModel:
             else:
                 out += table[o:]
                 out += table[:n - (POOL_SIZE - o)]
-        if out and out[-1][1] != ids[len(out) - 1]:
-            out[-1] = [out[-1][0], ids[len(out) - 1], None]
-        return out
+        last = len(out) - 1
+        if out and ids[last] != self.ids[(offset + last) % POOL_SIZE]:
+            v = next(v for a, b, v in versions if a <= last < b)
+            out[-1] = dumps([logprob_for(v, self.spread[(offset + last) % POOL_SIZE]), ids[last], None])
+        return b"[" + b",".join(out) + b"]"
 
-    def _entry_table(self, version: int) -> list[list]:
+    def _entry_table(self, version: int) -> list[bytes]:
         table = self._tables.get(version)
         if table is None:
-            base, sp, ids = version + 0.25, self.spread, self.ids
-            table = self._tables[version] = [[-(base + 0.5 * sp[i]), ids[i], None] for i in range(POOL_SIZE)]
+            sp, ids = self.spread, self.ids
+            table = self._tables[version] = [dumps([logprob_for(version, sp[i]), ids[i], None])
+                                             for i in range(POOL_SIZE)]
             while len(self._tables) > ENTRY_TABLES:  # the oldest version first (dicts keep insertion order)
                 del self._tables[next(iter(self._tables))]
         return table

@@ -24,19 +24,9 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 from mega_async.inference.fleet import control
-from mega_async.inference.fleet.model import BadRequest, FleetConfig, SimRequest, TokenModel, version_number
+from mega_async.inference.fleet.model import (BadRequest, FleetConfig, SimRequest, TokenModel, dumps,
+                                               version_number)
 from mega_async.inference.sglang_releases import Release
-
-try:
-    import orjson
-
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-except ImportError:  # pragma: no cover - orjson is optional
-    import json
-
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, separators=(",", ":")).encode()
 
 logger = logging.getLogger("mega_async.inference.fleet")
 
@@ -230,7 +220,9 @@ class SimServer:
 
     @staticmethod
     def _json(body: Any, status: int = 200) -> web.Response:
-        return web.Response(body=dumps(body), status=status, content_type="application/json")
+        """`body` as JSON (bytes: JSON text already, e.g. a /generate answer)."""
+        return web.Response(body=body if isinstance(body, bytes) else dumps(body), status=status,
+                            content_type="application/json")
 
     async def body(self, request: web.BaseRequest, required: bool = True) -> dict:
         raw = await request.read()
@@ -382,7 +374,8 @@ class SimServer:
         if not self.live:
             self._notify()
 
-    def _response(self, r: SimRequest, ids: list, fr: dict, waiting_abort: bool) -> dict:
+    def _response(self, r: SimRequest, ids: list, fr: dict, waiting_abort: bool) -> bytes:
+        """The /generate answer as JSON text (its logprobs are spliced in from the token model's tables)."""
         n = len(ids)
         spans, spans_out = [], []
         marks = r.marks
@@ -399,10 +392,11 @@ class SimServer:
         meta = {"id": r.rid, "finish_reason": fr, "prompt_tokens": 0 if waiting_abort else len(r.input_ids),
                 "completion_tokens": n, "cached_tokens": r.cached, "weight_version": spans_out[-1]["version"],
                 "weight_versions": spans_out, "e2e_latency": time.monotonic() - r.t0}
-        if r.logprobs:
-            meta["output_token_logprobs"] = self.tokens.logprob_entries(r.offset, ids, spans)
-            meta["input_token_logprobs"] = []
-        return {"text": "", "output_ids": ids, "meta_info": meta}
+        head = dumps({"text": "", "output_ids": ids, "meta_info": meta})  # ends with the two closing braces
+        if not r.logprobs:
+            return head
+        return b"".join((head[:-2], b',"output_token_logprobs":', self.tokens.logprob_json(r.offset, ids, spans),
+                         b',"input_token_logprobs":[]}}'))
 
     def abort_live(self, message: str = "Aborted", rid: Optional[str] = None) -> int:
         self._advance()
