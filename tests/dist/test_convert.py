@@ -41,34 +41,35 @@ def record(path: Path) -> dict:
     return json.loads(Path(f"{path}.rank0.json").read_text())
 
 
-@pytest.fixture(scope="module")
-def conversions(tmp_path_factory):
-    """Every conversion of the round trips and the errors that need a model built, as jobs of shared launches
-    (tests/dist/jobs.py): saves and error cases first, then the loads; four launches in place of eight."""
-    root = tmp_path_factory.mktemp("convert")
-    hf = {"moe": init_random_weights(TINY_MOE, root / "hf_moe", seed=3),
-          "dense": init_random_weights(TINY_DENSE, root / "hf_dense", seed=3)}
-    bad = init_random_weights(TINY_MOE, root / "hf_bad", seed=0)
+def dist_jobs(weights: dict, out: Path) -> dict:
+    """The first half of every round trip (HF -> Megatron) and the errors that need a model built, run by conftest's
+    dist_runs with other modules' jobs (an error is recorded and the launch goes on); `conversions` runs the loads."""
+    hf = {"moe": init_random_weights(TINY_MOE, out / "hf_moe", seed=3),
+          "dense": init_random_weights(TINY_DENSE, out / "hf_dense", seed=3)}
+    bad = init_random_weights(TINY_MOE, out / "hf_bad", seed=0)
     sd = load_file(str(bad / "model.safetensors"))
     sd["model.norm.weight"] = torch.ones(65)  # shape disagrees with the config
     save_file(sd, str(bad / "model.safetensors"))
-    saves, loads = {}, {}
-    for name, (card, save_layout, save_np, load_layout, load_np) in ROUND_TRIPS.items():
-        d = root / name
-        saves[f"{name}.save"] = (save_np, ["convert_job.py", str(d / "save"), "hf-to-mcore", "--hf", str(hf[card]),
-                                           "--out", str(d / "mcore"), "--allocation", save_layout])
-        loads[f"{name}.load"] = (load_np, ["convert_job.py", str(d / "load"), "mcore-to-hf", "--mcore",
-                                           str(d / "mcore"), "--out", str(d / "back"),
-                                           *(["--allocation", load_layout] if load_layout else [])])
-    errors = {  # after the saves of their launch: an error is recorded and the launch goes on
-        "tp3": (1, ["convert_job.py", str(root / "tp3"), "hf-to-mcore", "--hf", str(hf["moe"]), "--out",
-                    str(root / "o_tp3"), "--allocation", "megatron:t3"]),
-        "shape": (1, ["convert_job.py", str(root / "shape"), "hf-to-mcore", "--hf", str(bad), "--out",
-                      str(root / "o_shape")]),
-    }
-    results = run_grouped({**saves, **errors}, root / "phase1")
-    results.update(run_grouped(loads, root / "phase2"))
-    return root, hf, results
+    saves = {f"{name}.save": (save_np, ["convert_job.py", str(out / name / "save"), "hf-to-mcore", "--hf",
+                                        str(hf[card]), "--out", str(out / name / "mcore"), "--allocation", save_layout])
+             for name, (card, save_layout, save_np, _, _) in ROUND_TRIPS.items()}
+    return {**saves,
+            "tp3": (1, ["convert_job.py", str(out / "tp3"), "hf-to-mcore", "--hf", str(hf["moe"]), "--out",
+                        str(out / "o_tp3"), "--allocation", "megatron:t3"]),
+            "shape": (1, ["convert_job.py", str(out / "shape"), "hf-to-mcore", "--hf", str(bad), "--out",
+                          str(out / "o_shape")])}
+
+
+@pytest.fixture(scope="module")
+def conversions(dist_runs):
+    """The saves' results (dist_runs) and the loads of every round trip, run here: {job: error or None}."""
+    root = dist_runs.out(__name__)
+    loads = {f"{name}.load": (load_np, ["convert_job.py", str(root / name / "load"), "mcore-to-hf", "--mcore",
+                                        str(root / name / "mcore"), "--out", str(root / name / "back"),
+                                        *(["--allocation", load_layout] if load_layout else [])])
+             for name, (_, _, _, load_layout, load_np) in ROUND_TRIPS.items()}
+    results = {**dist_runs.of(__name__), **run_grouped(loads, root / "loads")}
+    return root, {"moe": root / "hf_moe", "dense": root / "hf_dense"}, results
 
 
 @pytest.mark.parametrize("name", list(ROUND_TRIPS))

@@ -2,11 +2,10 @@
 single-rank weights; the loss does not depend on the micro-batch count or the DP split; vocab-parallel
 logprobs and entropy (and their gradients) equal the full-vocabulary reference."""
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
-
-from tests.dist.jobs import run_jobs
 
 KL_ARGS = ("--kl-coef", "0.5", "--kl-estimator", "k3", "--steps", "2")
 
@@ -21,30 +20,30 @@ def moe(models):
     return models["moe"]
 
 
+def dist_jobs(weights: dict, out: Path) -> dict:
+    """Every engine run of this module: {name: (nproc, job)} (run by conftest's dist_runs, with other modules')."""
+    moe, dense = str(weights["moe"]), str(weights["dense"])
+
+    def eng(name, nproc, model, layout, *extra):
+        return name, (nproc, ["engine_worker.py", "--model", model, "--layout", layout, "--out", str(out / name), *extra])
+
+    return dict([
+        eng("ref", 1, moe, "megatron:d1"), eng("d1-micro-batches", 1, moe, "megatron:d1", "--max-tokens-per-mb", "24"),
+        eng("klref", 1, moe, "megatron:d1", *KL_ARGS), eng("nokl", 1, moe, "megatron:d1", "--steps", "2"),
+        ("logprobs-d1", (1, ["logprobs_worker.py", "megatron:d1"])),
+        ("packed-d1", (1, ["packed_worker.py", moe, "megatron:d1"])), eng("dense-ref", 1, dense, "megatron:d1"),
+        eng("tp2", 2, moe, "megatron:t2"), eng("pp2", 2, moe, "megatron:p2"), eng("ep2-dp2", 2, moe, "megatron:d2e2"),
+        eng("kl-pp2", 2, moe, "megatron:p2", *KL_ARGS), ("logprobs-t2", (2, ["logprobs_worker.py", "megatron:t2"])),
+        ("packed-t2", (2, ["packed_worker.py", moe, "megatron:t2"])), eng("dense-vpp", 2, dense, "megatron:p2v2"),
+        eng("tp2-ep2", 4, moe, "megatron:d2t2e2"),
+    ])
+
+
 @pytest.fixture(scope="module")
-def runs(models, tmp_path_factory):
-    """Every engine run of this module, in one launch per rank count (jobs.run_jobs): name -> (out dir, error)."""
-    out = tmp_path_factory.mktemp("runs")
-    moe, dense = str(models["moe"]), str(models["dense"])
-
-    def eng(name, model, layout, *extra):
-        return name, ["engine_worker.py", "--model", model, "--layout", layout, "--out", str(out / name), *extra]
-
-    launches = {
-        1: [eng("ref", moe, "megatron:d1"), eng("d1-micro-batches", moe, "megatron:d1", "--max-tokens-per-mb", "24"),
-            eng("klref", moe, "megatron:d1", *KL_ARGS), eng("nokl", moe, "megatron:d1", "--steps", "2"),
-            ("logprobs-d1", ["logprobs_worker.py", "megatron:d1"]), ("packed-d1", ["packed_worker.py", moe, "megatron:d1"]),
-            eng("dense-ref", dense, "megatron:d1")],
-        2: [eng("tp2", moe, "megatron:t2"), eng("pp2", moe, "megatron:p2"), eng("ep2-dp2", moe, "megatron:d2e2"),
-            eng("kl-pp2", moe, "megatron:p2", *KL_ARGS), ("logprobs-t2", ["logprobs_worker.py", "megatron:t2"]),
-            ("packed-t2", ["packed_worker.py", moe, "megatron:t2"]), eng("dense-vpp", dense, "megatron:p2v2")],
-        4: [eng("tp2-ep2", moe, "megatron:d2t2e2")],
-    }
-    results = {}
-    for nproc, jobs in launches.items():
-        errors = run_jobs(nproc, dict(jobs), out / f"launch{nproc}")
-        results.update({name: (out / name, errors[name]) for name, _ in jobs})
-    return results
+def runs(dist_runs):
+    """name -> (out dir, error or None) of every engine run of this module."""
+    out = dist_runs.out(__name__)
+    return {name: (out / name, error) for name, error in dist_runs.of(__name__).items()}
 
 
 def result(runs, name) -> tuple[dict, dict]:

@@ -14,19 +14,27 @@ from tests.dist.jobs import run_jobs
 WORKER = Path(__file__).with_name("parity_worker.py")
 
 
+def parity_job(weights: dict, kind: str, layout: str, mbs: int, out: Path) -> list[str]:
+    return ["parity_worker.py", "--model", str(weights[kind]), "--layout", layout, "--out", str(out),
+            "--microbatches", str(mbs)]
+
+
+def loaded(errors: dict, out: Path) -> dict:
+    """{name: error or None} -> {name: {logits, export, stepped: tensors, parallel: the layout it ran at} or the
+    job's error text}."""
+    return {name: error or {
+        **{k: load_file(str(out / name / f"{k}.safetensors")) for k in ("logits", "export", "stepped")},
+        "parallel": json.loads((out / name / "parallel.json").read_text())} for name, error in errors.items()}
+
+
 def run_all(weights: dict, cases: dict, out: Path) -> dict:
-    """{name: (kind, layout, nproc, micro-batches)} -> {name: result}, one launch per rank count (jobs.run_jobs);
-    a result is {logits, export, stepped: tensors, parallel: the layout it ran at} or the job's error text."""
-    results: dict = {}
+    """{name: (kind, layout, nproc, micro-batches)} -> {name: result (see loaded)}, one launch per rank count."""
+    errors: dict = {}
     for nproc in sorted({c[2] for c in cases.values()}):
-        jobs = {name: ["parity_worker.py", "--model", str(weights[kind]), "--layout", layout, "--out", str(out / name),
-                       "--microbatches", str(mbs)] for name, (kind, layout, n, mbs) in cases.items() if n == nproc}
-        errors = run_jobs(nproc, jobs, out / f"launch{nproc}")
-        for name in jobs:
-            results[name] = errors[name] or {
-                **{k: load_file(str(out / name / f"{k}.safetensors")) for k in ("logits", "export", "stepped")},
-                "parallel": json.loads((out / name / "parallel.json").read_text())}
-    return results
+        jobs = {name: parity_job(weights, kind, layout, mbs, out / name)
+                for name, (kind, layout, n, mbs) in cases.items() if n == nproc}
+        errors.update(run_jobs(nproc, jobs, out / f"launch{nproc}"))
+    return loaded(errors, out)
 
 
 def result(runs: dict, name: str) -> dict:
@@ -40,10 +48,19 @@ def weights(tiny_weights):
     return tiny_weights
 
 
+DEFAULT = {"moe": ("moe", "megatron:d1", 1, 1), "dense": ("dense", "megatron:d1", 1, 1),
+           "etp2": ("moe", "megatron:(attn:d2|ffn:t2)", 2, 1)}  # name: (kind, layout, nproc, micro-batches)
+
+
+def dist_jobs(weights: dict, out: Path) -> dict:
+    """The default runs (run by conftest's dist_runs, with other modules' jobs)."""
+    return {name: (n, parity_job(weights, kind, layout, mbs, out / name)) for name, (kind, layout, n, mbs)
+            in DEFAULT.items()}
+
+
 @pytest.fixture(scope="module")
-def default_runs(weights, tmp_path_factory):
-    return run_all(weights, {"moe": ("moe", "megatron:d1", 1, 1), "dense": ("dense", "megatron:d1", 1, 1),
-                             "etp2": ("moe", "megatron:(attn:d2|ffn:t2)", 2, 1)}, tmp_path_factory.mktemp("runs"))
+def default_runs(dist_runs):
+    return loaded(dist_runs.of(__name__), dist_runs.out(__name__))
 
 
 @pytest.fixture(scope="module")

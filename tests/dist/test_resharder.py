@@ -9,15 +9,15 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.model_cards import init_random_weights
 from tests.dist.jobs import run_jobs
 
 BUDGET = 48 << 10  # the tiny MoE is about 1.5 MiB: dozens of buckets
 
 
 @pytest.fixture(scope="module")
-def moe(tmp_path_factory):
-    return init_random_weights(TINY_MOE, tmp_path_factory.mktemp("rs") / "moe", seed=3)
+def moe(tiny_weights):
+    return tiny_weights["moe"]
 
 
 def stages_of(out: Path) -> dict:
@@ -25,12 +25,17 @@ def stages_of(out: Path) -> dict:
     return {int(p.stem[5:]): (load_file(str(p.with_suffix(".safetensors"))), json.loads(p.read_text())) for p in stages}
 
 
+def resharder_job(model: Path, layout: str, out: Path) -> list[str]:
+    return ["resharder_worker.py", "--model", str(model), "--layout", layout, "--out", str(out),
+            "--bucket-bytes", str(BUDGET)]
+
+
 def reshard_all(runs: dict, out: Path) -> dict:
     """{name: (model, layout, nproc)} -> {name: (stages, error)}: one launch per rank count (jobs.run_jobs)."""
     results = {}
     for nproc in sorted({n for _, _, n in runs.values()}):
-        jobs = {name: ["resharder_worker.py", "--model", str(model), "--layout", layout, "--out", str(out / name),
-                       "--bucket-bytes", str(BUDGET)] for name, (model, layout, n) in runs.items() if n == nproc}
+        jobs = {name: resharder_job(model, layout, out / name) for name, (model, layout, n) in runs.items()
+                if n == nproc}
         errors = run_jobs(nproc, jobs, out / f"launch{nproc}")
         results.update({name: (stages_of(out / name), errors[name]) for name in jobs})
     return results
@@ -43,10 +48,15 @@ LAYOUTS = {"tp2": ("megatron:t2", 2, dict(tp=2, ep=1, pp=1, vpp=1)),
            "vpp2": ("megatron:p2v2", 2, dict(tp=1, ep=1, pp=2, vpp=2))}
 
 
+def dist_jobs(weights: dict, out: Path) -> dict:
+    """The default layouts' resharder runs (run by conftest's dist_runs, with other modules' jobs)."""
+    return {name: (n, resharder_job(weights["moe"], layout, out / name)) for name, (layout, n, _) in LAYOUTS.items()}
+
+
 @pytest.fixture(scope="module")
-def resharded(moe, tmp_path_factory):
-    return reshard_all({name: (moe, layout, n) for name, (layout, n, _) in LAYOUTS.items()},
-                       tmp_path_factory.mktemp("resharded"))
+def resharded(dist_runs):
+    out = dist_runs.out(__name__)
+    return {name: (stages_of(out / name), error) for name, error in dist_runs.of(__name__).items()}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
