@@ -88,3 +88,18 @@ def test_bench_scale_runs_the_controller_and_a_baseline_on_a_small_fleet(tmp_pat
         assert x["bracket_s"] > 0 and x["control_s"] > 0 and x["cpu_per_traj_ms"] > 0
         assert x["pause_fleet_cpu_s"] >= 0 and x["bracket_gc_s"] >= 0
         assert x["running_at_sync"] >= x["in_flight_at_sync"] >= 0
+
+
+def test_bench_abort_pause_measures_every_variant_and_every_request_is_aborted(tmp_path):
+    """tools/bench_abort_pause.py end to end on 4 fleet servers, 32 running requests, one round of each variant
+    (HEAD as the baseline): every request was running at the pause and was answered by it."""
+    out = tmp_path / "abort.json"
+    r = subprocess.run([sys.executable, "tools/bench_abort_pause.py", "--servers", "4", "--inflight", "32",
+                        "--fleet-procs", "1", "--run-s", "0.5", "--rounds", "1", "--baseline", "HEAD",
+                        "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600, env=ENV)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [x["variant"] for x in res["rows"]] == ["HEAD unparked", "current unparked", "current parked"]
+    for x in res["rows"]:
+        assert x["in_flight"] == x["aborted"] == 32 and x["pause_s"] > 0 and x["fleet_cpu_s"] >= 0, x
+    assert res["summary"]["pause_s / current parked"]["current parked"] == 1.0
