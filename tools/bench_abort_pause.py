@@ -116,8 +116,9 @@ def main() -> None:
             for name, tree, mode in variants:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--round", mode] + [
                     f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("servers", "inflight", "fleet_procs", "run_s")]
-                r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
-                                   timeout=600)
+                # cwd: the fleet's workers run `python -m mega_async.inference.fleet`, which looks there first
+                r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=str(tree),
+                                   capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:
                     raise SystemExit(f"{name} {mode} failed:\n{r.stderr[-3000:]}")
                 rows.append({"variant": f"{name} {mode}", **json.loads(r.stdout.strip().splitlines()[-1])})
