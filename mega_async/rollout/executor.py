@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 from mega_async.events import NullEventLog
 from mega_async.rollout.dataloader import Sample
@@ -456,7 +456,7 @@ class WorkflowExecutor:
         if self._fatal is None:  # a stopped rollout stays stopped
             self._runner.resume()
 
-    def parked(self, limit: float):
+    def parked(self, limit: float) -> ContextManager[None]:
         """Context manager: the rollout loop sleeps while the body runs (at most `limit` s). The weight sync's
         pause fan-out runs under it: the aborted requests' answers that arrive meanwhile are read once it ends,
         instead of taking the interpreter from the pause calls (at 7,440 aborts over 256 servers they did, for
