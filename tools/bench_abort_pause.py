@@ -124,8 +124,9 @@ def main() -> None:
                 rows.append({"variant": f"{name} {mode}", **json.loads(r.stdout.strip().splitlines()[-1])})
                 print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}),
                       flush=True)
+    variants = dict.fromkeys(r["variant"] for r in rows)
     med = {v: {k: round(statistics.median(r[k] for r in rows if r["variant"] == v), 3)
-               for k in ("pause_s", "controller_cpu_s", "fleet_cpu_s")} for v in dict.fromkeys(r["variant"] for r in rows)}
+               for k in ("pause_s", "controller_cpu_s", "fleet_cpu_s")} for v in variants}
     parked = med["current parked"]["pause_s"]
     summary = {"median": med, "pause_s / current parked": {v: round(m["pause_s"] / parked, 3) for v, m in med.items()}}
     print(json.dumps(summary, indent=1))

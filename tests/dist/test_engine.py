@@ -25,7 +25,8 @@ def dist_jobs(weights: dict, out: Path) -> dict:
     moe, dense = str(weights["moe"]), str(weights["dense"])
 
     def eng(name, nproc, model, layout, *extra):
-        return name, (nproc, ["engine_worker.py", "--model", model, "--layout", layout, "--out", str(out / name), *extra])
+        return name, (nproc, ["engine_worker.py", "--model", model, "--layout", layout, "--out", str(out / name),
+                              *extra])
 
     return dict([
         eng("ref", 1, moe, "megatron:d1"), eng("d1-micro-batches", 1, moe, "megatron:d1", "--max-tokens-per-mb", "24"),
