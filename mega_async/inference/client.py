@@ -660,8 +660,13 @@ class SGLangClient:
             if status >= 500:
                 s.failures += 1
                 attempt += 1
-                if s.failures > self.max_retries:  # /health may still answer: never re-admitted
-                    self._drop(s, f"/generate answered {status} {s.failures} times in a row: {_error_message(body)[:200]}")
+                if s.failures > self.max_retries:
+                    why = f"/generate answered {status} {s.failures} times in a row: {_error_message(body)[:200]}"
+                    if await self._failing_throughout(s):  # out until its /model_info answers again
+                        self._mark_unhealthy(s, why + " (and /model_info fails too)")
+                        s.failures = 0
+                    else:  # a wedged engine behind a working front (/health may answer): never re-admitted
+                        self._drop(s, why)
                     self._sticky.pop(rid, None)
                     continue  # reroute at once
                 await asyncio.sleep(self.retry_backoff * 2 ** min(s.failures, 6))
@@ -670,6 +675,16 @@ class SGLangClient:
                 raise classify_status(s.address, "/generate", status, body)
             s.failures = 0
             return body, s
+
+    async def _failing_throughout(self, s: _Server) -> bool:
+        """Whether a server whose /generate keeps answering 5xx fails its other calls too (unreachable, or /model_info
+        answers 5xx): a server failing as a whole (overloaded, restarting, the fleet's `error` failure) is taken out
+        and re-admitted once /model_info answers; one whose other calls answer has a wedged engine and is dropped."""
+        try:
+            status, _ = await self._request("GET", s, "/model_info", timeout=5.0)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return True
+        return status >= 500
 
     # ---- generation ------------------------------------------------------------------------
     async def _wait_unpaused(self) -> None:

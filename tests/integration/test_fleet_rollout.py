@@ -453,6 +453,31 @@ def test_push_is_done_again_while_servers_keep_going_down_and_then_gives_up(flee
             fleet.recover(i)
 
 
+def test_a_server_failing_as_a_whole_is_taken_out_not_dropped_and_comes_back(fleet):
+    """The fleet's `error` failure answers 503 on /generate and on /model_info: more than max_retries 503s in a row
+    take the server out (a wedged engine whose /model_info answers is dropped: test_failures.py); the requests go
+    to the other server, and once it recovers it is re-admitted and serves again."""
+    client = SGLangClient(fleet.addresses[4:6], health_check_interval=0.05, retry_backoff=0.01, max_retries=1)
+    fleet.fail(5, "error")
+    try:
+        payload = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+
+        async def some(n):
+            return await asyncio.gather(*(client._generate_once(f"r{i}", dict(payload, rid=f"r{i}")) for i in range(n)))
+
+        answered = asyncio.run(some(8))
+        assert {s.address for _, s in answered} == {client.servers[0].address}
+        broken = client.servers[1]
+        assert broken.dropped is None and not broken.healthy
+        fleet.recover(5)
+        asyncio.run(client.probe_down())
+        assert broken.healthy and broken.failures == 0
+        answered = asyncio.run(some(16))
+        assert broken.address in {s.address for _, s in answered}
+    finally:
+        fleet.recover(5)
+
+
 def test_a_server_whose_calls_fail_while_health_answers_stays_out_of_syncs_until_it_recovers(fleet):
     """The fleet's `error` failure: /health answers 200, every other call 503. A control call's 5xx takes the
     server out of generation and of the sync targets (a sync is then done without it); its /health alone does not
