@@ -24,13 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def cpu_of(pids: list[int]) -> float:
-    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
-    for p in pids:
-        f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(f[11]) + int(f[12])) / tick
-    return total
+from bench_scale import cpu_of, export  # noqa: E402 - tools/ is this script's own folder on sys.path
 
 
 def one_round(a: argparse.Namespace, park: bool) -> dict:
@@ -80,16 +74,6 @@ def one_round(a: argparse.Namespace, park: bool) -> dict:
         sync_loop.close()
     return {"park": park, "pause_s": w1 - w0, "controller_cpu_s": c1 - c0, "fleet_cpu_s": f1 - f0,
             "in_flight": in_flight, "aborted": aborted}
-
-
-def export(ref: str, tmp: Path) -> Path:
-    """The mega_async package of commit `ref`, unpacked under tmp."""
-    dest = tmp / f"tree_{ref}"
-    dest.mkdir()
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", ref, "mega_async"], check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-    return dest
 
 
 def main() -> None:
