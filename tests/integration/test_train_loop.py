@@ -19,11 +19,15 @@ def test_tiny_training_run(tmp_path):
     model = init_random_weights(TINY_MOE, tmp_path / "model", seed=0)
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
         f"logging.root_dir={tmp_path / 'runs'}", f"model.path={model}", "trainer.total_steps=3",
-        "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16", "trainer.weight_sync=disk"])
+        "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16", "trainer.weight_sync=disk",
+        # every trained group then has unequal rewards, so every step must have a gradient; with the default
+        # (let an all-equal group through after 20 drops) ~7% of runs train a step of zero-advantage groups only
+        "rollout.dynamic_filter_max_drops=null"])
     history = run_training(cfg)
     assert [h["version"] for h in history] == [1, 2, 3]
     for h in history:
         assert h["train/tokens"] > 0 and math.isfinite(h["train/loss"]) and h["train/grad_norm"] > 0
+        assert h["filter/forced"] == 0 and h["filter/kept"] >= 4 * h["step"] + 4
         assert 0 <= h["train/staleness"] <= cfg.rollout.max_staleness
         assert h["sync/verify_max_abs_diff"] < 1e-4  # the server serves exactly the trainer's weights
     run = cfg.run_dir
