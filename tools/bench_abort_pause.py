@@ -2,11 +2,13 @@
 (AsyncTaskRunner, as the executor runs them), then one `pause_generation(mode="abort")` from a second thread, as
 the weight sync sends it. Reports the pause's wall time and the CPU the controller and the fleet spent in it,
 with the rollout loop parked during the pause calls (`AsyncTaskRunner.parked`, what the sync does) and without,
-and (`--baseline REF`) with client and fleet of an older commit, unparked; the variants alternate on fresh fleets
-in one run, each round in its own process.
+and (`--baseline REF`) with client and fleet of an older commit, unparked (`--baseline-parked`: parked); the
+variants alternate on fresh fleets in one run, each round in its own process.
 
     python tools/bench_abort_pause.py --servers 256 --inflight 7440 --rounds 2 --baseline c9f3640 \
         --out benchmarks/scale/abort_pause.json
+    python tools/bench_abort_pause.py --rounds 3 --baseline 43ca631 --baseline-parked \
+        --out benchmarks/scale/abort_pause_fleet.json
 """
 from __future__ import annotations
 
@@ -85,6 +87,8 @@ def main() -> None:
     ap.add_argument("--run-s", type=float, default=5.0, help="seconds the requests run before the pause")
     ap.add_argument("--rounds", type=int, default=2, help="rounds of each variant, alternating")
     ap.add_argument("--baseline", default=None, help="git ref whose client and fleet run too (unparked)")
+    ap.add_argument("--baseline-parked", action="store_true",
+                    help="run the baseline parked (a ref that has AsyncTaskRunner.parked: 3c276ec or later)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--round", choices=["parked", "unparked"], default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -95,7 +99,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_abort_pause_") as d:
         variants = [("current", ROOT, "unparked"), ("current", ROOT, "parked")]
         if a.baseline:
-            variants.insert(0, (a.baseline, export(a.baseline, Path(d)), "unparked"))
+            variants.insert(0, (a.baseline, export(a.baseline, Path(d)), "parked" if a.baseline_parked else "unparked"))
         for _ in range(a.rounds):
             for name, tree, mode in variants:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--round", mode] + [
