@@ -92,6 +92,7 @@ class _Server:
     last_probe: float = 0.0
     failures: int = field(default=0)  # 5xx answers in a row
     dropped: Optional[str] = None  # why it was dropped for good (kept answering 5xx)
+    down: str = ""  # why it was last taken out of generation (it may be back since)
     release: Optional[Release] = None  # its SGLang release's weight-sync protocol, learned once
     session_open: bool = False  # a weight-update session (SGLang 0.5.21+) we opened and have not closed
     behind: bool = False  # answers /health but not at the synced weight version: kept out of generation
@@ -558,7 +559,18 @@ class SGLangClient:
         self._suspects.discard(self._index.get(id(s), -1))
 
     def _no_server_error(self, waited: Optional[float]) -> NoHealthyServerError:
-        why = "; ".join(f"{s.address}: {s.dropped or 'unreachable'}" for s in self.servers)
+        def state(s: _Server) -> str:
+            if s.dropped:
+                return f"dropped: {s.dropped}"
+            if s.behind:
+                return "behind the synced weight version"
+            if s.healthy:
+                return "serving"
+            return f"down ({s.down})" if s.down else "unreachable"
+
+        why = "; ".join(f"{s.address}: {state(s)}" for s in self.servers[:8])
+        if len(self.servers) > 8:
+            why += f"; and {len(self.servers) - 8} more"
         after = f" for {waited:.0f}s" if waited is not None else ""
         return NoHealthyServerError(f"no usable inference server{after} ({why}); check the servers' logs")
 
@@ -566,6 +578,7 @@ class SGLangClient:
         if s.healthy or s.behind:
             logger.warning("server %s marked unhealthy: %s", s.address, why)
         s.healthy = False
+        s.down = why
         s.behind = False  # failing, not just behind: no sync target until it answers again (then behind, if so)
         s.last_probe = time.monotonic()
         if s.dropped is None:

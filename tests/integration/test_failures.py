@@ -24,12 +24,14 @@ def executor(client, max_new_tokens=4, max_failures=32):
 class BrokenServer:
     """A server whose /health answers 200 and whose /generate always answers 500 (a wedged engine)."""
 
-    def __init__(self):
+    def __init__(self, model_info_status=None):
         self.port = free_port()
         self.generate_calls = 0
         app = web.Application()
         app.router.add_get("/health", lambda r: web.Response(text="ok"))
         app.router.add_post("/generate", self._generate)
+        if model_info_status is not None:  # failing as a whole (overloaded, restarting): /model_info fails too
+            app.router.add_get("/model_info", lambda r: web.Response(text="busy", status=model_info_status))
         self._runner = web.AppRunner(app)
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -57,10 +59,23 @@ def test_no_server_alive_stops_within_unhealthy_timeout():
     client = SGLangClient(dead, unhealthy_timeout=2.0, health_check_interval=0.2, retry_backoff=0.05)
     t0 = time.monotonic()
     with executor(client) as ex:
-        with pytest.raises(RolloutError, match=r"no usable inference server for 2s \(http://127\.0\.0\.1:\d+: unreachable"):
+        with pytest.raises(RolloutError, match=r"no usable inference server for 2s \(http://127\.0\.0\.1:\d+: "
+                                                   r"down \(ClientConnectorError: Cannot connect"):
             ex.prepare_batch(ITEMS)
     assert time.monotonic() - t0 < 2.0 + 8.0
     assert ex.stats["failed"] <= 4  # the first admitted episodes, not thousands of resubmissions
+
+
+def test_no_server_error_says_why_each_server_is_out():
+    broken = BrokenServer(model_info_status=503)  # out (not dropped) until /model_info answers, which it never does
+    client = SGLangClient([broken.address], max_retries=2, retry_backoff=0.01, unhealthy_timeout=2.0,
+                          health_check_interval=0.2)
+    with executor(client) as ex:
+        with pytest.raises(RolloutError, match=r"no usable inference server for 2s \(http://127\.0\.0\.1:\d+: "
+                                               r"down \(/generate answered 500 \d+ times in a row.*\(and /model_info "
+                                               r"fails too\)\)\); check the servers' logs"):
+            ex.prepare_batch(ITEMS)
+    assert client.servers[0].dropped is None
 
 
 @pytest.mark.slow  # starts a server
@@ -102,7 +117,8 @@ def test_server_answering_500_is_dropped_although_health_answers(server):
     only_broken = SGLangClient([broken.address], max_retries=2, retry_backoff=0.01, unhealthy_timeout=60)
     t0 = time.monotonic()
     with executor(only_broken) as ex:
-        with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: /generate answered 500"):
+        with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: dropped: /generate "
+                                                   r"answered 500"):
             ex.prepare_batch(ITEMS)
     assert time.monotonic() - t0 < 10  # not the 60 s unhealthy_timeout: a dropped server never comes back
 
