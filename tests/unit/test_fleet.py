@@ -103,6 +103,10 @@ def test_logprob_json_is_each_tokens_own_entry_across_spans_the_pool_end_and_a_s
         m.logprob_json(0, m.tokens(0, 3), [(0, 3, v)])
     assert len(m._tables) == ENTRY_TABLES
     assert m.logprob_json(0, m.tokens(0, 3), [(0, 3, 0)]) == before
+    warm = TokenModel(FleetConfig())
+    warm.warm("7")  # what a fleet worker does for its starting version before it serves
+    assert list(warm._tables) == [7]
+    assert warm.logprob_json(0, warm.tokens(0, 3), [(0, 3, 7)]) == m.logprob_json(0, m.tokens(0, 3), [(0, 3, 7)])
 
 
 def test_config_and_schedule_errors_are_one_line():

@@ -120,6 +120,7 @@ def worker(args: argparse.Namespace, cfg: FleetConfig) -> None:
 
     async def run() -> None:
         host = FleetHost(cfg, indices, args.host, ports, events, args.epoch)
+        host.tokens.warm(cfg.weight_version)  # before serving: else the first answers (maybe a pause's) build it
         await host.start()
         sys.stdout.write(json.dumps({"addresses": host.addresses, "admin": f"{args.host}:{host.admin_port}"}) + "\n")
         sys.stdout.flush()

@@ -23,6 +23,7 @@ class FleetHost:
                  ports: Optional[Sequence[int]] = None, schedule: Sequence[FailureEvent] = (),
                  epoch: Optional[float] = None):
         tokens, conts = TokenModel(cfg), Continuations()
+        self.tokens = tokens  # shared by every server of the host
         ports = list(ports) if ports is not None else [0] * len(indices)
         self.servers = {i: SimServer(i, cfg, tokens, conts, host, p) for i, p in zip(indices, ports)}
         self.host = host

@@ -156,6 +156,10 @@ class TokenModel:
             parts.append(tail)
         return b"[" + b",".join(parts) + b"]"
 
+    def warm(self, version: Any) -> None:
+        """Build `version`'s table now (at start-up: else the first answers, maybe a pause's, pay for it)."""
+        self._entry_table(version_number(version))
+
     def _entry_table(self, version: int) -> tuple[bytes, array.array]:
         """The pool's entries at `version`, twice over, as JSON text each followed by a comma, and where each one
         starts (one start past the end too: entry i is text[starts[i]:starts[i + 1] - 1])."""
