@@ -117,8 +117,8 @@ def test_server_answering_500_is_dropped_although_health_answers(server):
     only_broken = SGLangClient([broken.address], max_retries=2, retry_backoff=0.01, unhealthy_timeout=60)
     t0 = time.monotonic()
     with executor(only_broken) as ex:
-        with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: dropped: /generate "
-                                                   r"answered 500"):
+        with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: "
+                                               r"dropped: /generate answered 500"):
             ex.prepare_batch(ITEMS)
     assert time.monotonic() - t0 < 10  # not the 60 s unhealthy_timeout: a dropped server never comes back
 

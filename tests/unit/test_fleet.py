@@ -90,7 +90,8 @@ def test_logprob_json_is_each_tokens_own_entry_across_spans_the_pool_end_and_a_s
     m = TokenModel(FleetConfig())
     for offset, n, spans in [(5, 10, [(0, 10, 3)]), (POOL_SIZE - 4, 9, [(0, 2, 1), (2, 9, 2)]),
                              (POOL_SIZE - 1, 1, [(0, 1, 0)]), (70000, 0, []),
-                             (POOL_SIZE - 2, 5, [(0, 4, 1), (4, 4, 3), (4, 5, 2)])]:
+                             (POOL_SIZE - 2, 5, [(0, 4, 1), (4, 4, 3), (4, 5, 2)]),
+                             (9, 4, [(0, 4, 5), (4, 4, 6)])]:  # an empty last span: the stop token is in the one before
         ids = m.tokens(offset, n)
         if ids:
             ids[-1] = 999_999  # the stop token, put last (not the pool's)

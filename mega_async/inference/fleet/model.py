@@ -139,16 +139,16 @@ class TokenModel:
         abort pause answers thousands of partial outputs at once, and building and serializing every entry
         anew was 70% of the fleet's CPU there, joining them entry by entry still 18%. A token that is not the
         pool's (the stop token put last) gets its own entry."""
-        spans, tail = list(versions), b""
+        spans, tail = [(a, b, v) for a, b, v in versions if b > a], b""
         if spans:
             a, b, v = spans[-1]
             last = (offset + b - 1) % POOL_SIZE
-            if b > a and ids[b - 1] != self.ids[last]:
+            if ids[b - 1] != self.ids[last]:
                 tail = dumps([logprob_for(v, self.spread[last]), ids[b - 1], None])
                 spans[-1] = (a, b - 1, v)
         parts: list[bytes] = []
         for a, b, v in spans:
-            if b > a:
+            if b > a:  # the stop token's own span may be empty now
                 text, starts = self._entry_table(v)
                 o = (offset + a) % POOL_SIZE  # the table holds the pool twice: a span past its end is one slice
                 parts.append(text[starts[o]:starts[o + b - a] - 1])
