@@ -36,8 +36,10 @@ setup(
         # GPU-only packages: imported lazily, never needed on the CPU path.
         # sglang: the releases whose weight-sync protocol is tested (mega_async/inference/sglang_releases.py)
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang>=0.5.18,<=0.5.23", "sglang-router"],
+        # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run; pydantic: the reference the
+        # embedded server's lax coercions are held to (its integer-size rule changed in 2.14)
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
-                 "pyarrow>=14", "py-spy>=0.3.14"],  # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run
+                 "pyarrow>=14", "py-spy>=0.3.14", "pydantic>=2.14,<3"],
         "agent": ["openai>=1.40"],  # agents of AgentWorkflow (mega_async.rollout.agent) use the openai client
     },
     entry_points={"console_scripts": ["mega-async=mega_async.cli:main"]},

@@ -25,6 +25,8 @@ import sys
 from functools import lru_cache
 from typing import Any, Optional, Sequence
 
+from mega_async.reward import RewardUnavailable
+
 logger = logging.getLogger("mega_async.reward.code")
 
 _LANG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
@@ -39,7 +41,7 @@ class CodeRewardError(RuntimeError):
     """The sandbox failed or timed out without a verdict: the sample is rejected."""
 
 
-class SandboxUnavailable(CodeRewardError):
+class SandboxUnavailable(CodeRewardError, RewardUnavailable):
     """This machine cannot build the sandbox (no namespaces); the message says why and what would fix it."""
 
 

@@ -196,17 +196,61 @@ def _mountpoints(mountinfo: str) -> list[str]:
     return out
 
 
-def _bind_paths(old: str, extra: list[str]) -> list[str]:
-    """System directories plus the Python installation (under the host's root `old`), each once."""
+def _bind_paths(extra: list[str]) -> list[str]:
+    """System directories plus the Python installation, each once (one under
+    another is bound with it)."""
     paths: list[str] = []
     for p in (*SYSTEM_DIRS, *extra):
-        if os.path.lexists(old + p) and not any(p == q or p.startswith(q.rstrip("/") + "/") for q in paths):
+        if not any(p == q or p.startswith(q.rstrip("/") + "/") for q in paths):  # _make_path skips a missing one
             paths.append(p)
     return paths
 
 
+PRIVATE = ("/tmp", "/dev", "/proc")  # the sandbox's own mounts: the host's never show through them
+
+
+def check_python_dirs(dirs: list[str]) -> None:
+    """Refuse a Python installation whose directory is the root or one of the sandbox's private mounts (or holds
+    one): binding it would show the host's /tmp, /dev or everything. Under them (a venv in /tmp/x) is fine."""
+    for d in dirs:
+        if d == "/" or any(d == p or p.startswith(d.rstrip("/") + "/") for p in PRIVATE):
+            raise Refused(f"the Python installation's directory {d} is the root or one of the sandbox's private "
+                          f"mounts ({', '.join(PRIVATE)}): install Python (or the venv) in a directory of its own")
+
+
+def _make_path(old: str, new: str, path: str) -> bool:
+    """Lay `path` out under `new` as it is under `old`: real directories as directories and, at the first symlink
+    on the way (/lib -> usr/lib, a symlinked venv), the same symlink (its target, resolved, is bound on its own).
+    True when `path` itself was made, to be bound; False when a symlink stands for it."""
+    parts = [p for p in path.split("/") if p]
+    cur = ""
+    for part in parts[:-1]:
+        cur += "/" + part
+        if not os.path.lexists(old + cur):  # checked a component at a time: an absolute link under `old` would
+            return False                     # resolve against this root, not the host's
+        if os.path.islink(old + cur):
+            if not os.path.lexists(new + cur):
+                os.symlink(os.readlink(old + cur), new + cur)
+            return False
+        os.makedirs(new + cur, exist_ok=True)
+    cur += "/" + parts[-1]
+    if not os.path.lexists(old + cur):
+        return False
+    if os.path.islink(old + cur):
+        if not os.path.lexists(new + cur):
+            os.symlink(os.readlink(old + cur), new + cur)
+        return False
+    if os.path.isdir(old + cur):
+        os.makedirs(new + cur, exist_ok=True)
+    else:
+        open(new + cur, "w").close()
+    return True
+
+
 def build_root(job: dict, worker_uid) -> None:
-    """Make this mount namespace's root a fresh tmpfs holding only what a solution needs; see the module doc."""
+    """Make this mount namespace's root a fresh tmpfs holding only what a solution needs; see the module doc.
+    The private /tmp is mounted before the binds, so a Python installation under /tmp (a venv in /tmp/...) is
+    bound inside it rather than colliding with it."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700")
     os.makedirs("/tmp/oldroot")
@@ -216,30 +260,22 @@ def build_root(job: dict, worker_uid) -> None:
     os.chdir("/")
     new, old = "/newroot", "/oldroot"
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    os.makedirs(new + "/tmp")
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmp_bytes']},nr_inodes=4096,mode=1777")
+    os.makedirs(new + SCRATCH)
+    if worker_uid is not None:
+        os.chown(new + SCRATCH, worker_uid, worker_uid)
     readonly = []
-    for path in _bind_paths(old, job["python_dirs"]):
-        src, dst = old + path, new + path
-        if os.path.islink(src) and path in SYSTEM_DIRS:
-            os.symlink(os.readlink(src), dst)
-            continue
-        if os.path.isdir(src):
-            os.makedirs(dst, exist_ok=True)
-        else:
-            os.makedirs(os.path.dirname(dst), exist_ok=True)
-            open(dst, "w").close()
-        mount(src, dst, None, MS_BIND | MS_REC)
-        readonly.append(dst)
+    for path in _bind_paths(job["python_dirs"]):
+        if _make_path(old, new, path):
+            mount(old + path, new + path, None, MS_BIND | MS_REC)
+            readonly.append(new + path)
     os.makedirs(new + "/proc")
     # read-only: no sysctl, sysrq-trigger or /proc/<pid>/... write even for an id that owns them on the host
     mount("proc", new + "/proc", "proc", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     for point in _mountpoints(new + "/proc/self/mountinfo"):
         if any(point == r or point.startswith(r + "/") for r in readonly):
             mount(None, point, None, _readonly_flags(point))
-    os.makedirs(new + "/tmp")
-    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={job['tmp_bytes']},nr_inodes=4096,mode=1777")
-    os.makedirs(new + SCRATCH)
-    if worker_uid is not None:
-        os.chown(new + SCRATCH, worker_uid, worker_uid)
     os.makedirs(new + "/dev")
     mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
     for dev in DEVICES:
@@ -360,13 +396,27 @@ def _reap() -> None:
         pass
 
 
+def executable_hops(path: str) -> list[str]:
+    """The directory of every link on the way from `path` to the interpreter (a venv's bin/python may point at
+    another venv's, which points at the installation's): the sandbox needs each one to start Python."""
+    out, seen = [], set()
+    while path not in seen and len(seen) < 40:
+        seen.add(path)
+        out.append(os.path.dirname(os.path.abspath(path)))
+        if not os.path.islink(path):
+            break
+        path = os.path.join(os.path.dirname(path), os.readlink(path))
+    out.append(os.path.dirname(os.path.realpath(path)))
+    return out
+
+
 def main() -> int:
     job = json.loads(sys.stdin.buffer.read())
     with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_harness.py")) as f:
         job["harness"] = f.read()
-    dirs = (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable))
-    job["python_dirs"] = sorted({f(p) for p in dirs for f in (os.path.abspath, os.path.realpath)}
-                                | {os.path.dirname(os.path.realpath(sys.executable))})  # as named and as resolved
+    dirs = (sys.prefix, sys.base_prefix, sys.exec_prefix, *executable_hops(sys.executable))
+    job["python_dirs"] = sorted({f(p) for p in dirs for f in (os.path.abspath, os.path.realpath)})  # named, resolved
+    check_python_dirs(job["python_dirs"])
     if os.uname().machine not in SYS_PIVOT_ROOT:
         raise Refused(f"no pivot_root system call number for {os.uname().machine} in mega_async/reward/sandbox.py")
     ids = unshare(job.get("isolation", "auto"))
@@ -380,7 +430,7 @@ def main() -> int:
             os.write(1, (json.dumps(out) + "\n").encode())
             code = 0
         except OSError as e:
-            sys.stderr.write(f"code sandbox: cannot build the sandbox here ({e}){_hint(ids.mode)}\n")
+            sys.stderr.write(f"code sandbox: cannot build the sandbox here ({e}){_hint(ids.mode, e.errno)}\n")
             code = UNAVAILABLE
         except BaseException as e:  # noqa: BLE001 - one line to the host, never a traceback into its log
             sys.stderr.write(f"code sandbox: {type(e).__name__}: {e}\n")
@@ -391,8 +441,13 @@ def main() -> int:
     return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
 
 
-def _hint(mode: str) -> str:
-    return "; a user namespace may not mount here (a container?): run as root" if mode == "userns" else ""
+def _hint(mode: str, errno: int) -> str:
+    """What would fix a failed mount: only a permission error in a user namespace has a known fix."""
+    if mode != "userns" or errno not in (1, 13):  # EPERM, EACCES
+        return ""
+    if os.geteuid() == 0:
+        return "; a user namespace may not mount here (a container?): try reward isolation 'uid'"
+    return "; a user namespace may not mount here (a container?): run as root"
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 from mega_async.events import NullEventLog
+from mega_async.reward import RewardUnavailable
 from mega_async.rollout.dataloader import Sample
 from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
 from mega_async.rollout.ledger import Ledger
@@ -258,7 +259,7 @@ class WorkflowExecutor:
         self._first_failure = self._first_failure or what
         if self._fatal is not None:
             return
-        if isinstance(exc, FatalEngineError):
+        if isinstance(exc, (FatalEngineError, RewardUnavailable)):
             self._fatal = RolloutError(f"rollout stopped: {what}")
         elif self.max_consecutive_failures and self._failures_in_row >= self.max_consecutive_failures:
             self._fatal = RolloutError(

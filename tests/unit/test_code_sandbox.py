@@ -141,7 +141,10 @@ def test_a_solution_reaches_nothing_of_the_host(tmp_path, place):
         code = (f"TARGETS = {targets!r}\nHELPER = {helper.pid}\nSECRET = {secret!r}\n"
                 f"SOCKETS = [{str(owned / 's.sock')!r}, '\\0mega_async_test_{secret}']\n"
                 f"PORT = {tcp.getsockname()[1]}\n" + PROBE)
-        tests = ["r = probe()", f"assert r['written'] == ['/tmp/pwned_{secret}'], r",  # its own /tmp only
+        # its own private /tmp only (where the interpreter lives under /tmp, its bind sits inside that tmpfs;
+        # the host-side check at the end shows nothing reached the host's files)
+        tests = ["r = probe()", f"assert '/tmp/pwned_{secret}' in r['written'], r",
+                 "assert all(p.startswith('/tmp/') for p in r['written']), r",
                  "assert r['read'] == [], r", "assert r['connected'] == [], r",
                  "assert len(r['pids']) <= 3 and max(r['pids']) <= 10",  # the namespace's PID 1, the judge, itself
                  "assert set(r['caps'].values()) == {0} and r['no_new_privs'] == '1', r",
@@ -354,3 +357,47 @@ def test_no_isolation_is_a_one_line_refusal_never_an_unsandboxed_run():
                           check=False)
     assert json.loads(auto.stdout) == {"passed": 1, "total": 1, "complete": True}, auto.stderr
     assert check_sandbox() == "ok"
+
+
+def _venv(where: Path) -> str:
+    """A bare venv (no pip) at `where`; returns its python as named there."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--symlinks", str(where)], check=True,
+                   capture_output=True, timeout=120)
+    return str(where / "bin" / "python")
+
+
+LAYOUTS = ["tmp", "opt", "symlinked-tmp"] if os.geteuid() == 0 else ["tmp", "symlinked-tmp"]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_sandbox_starts_wherever_the_interpreter_lives(tmp_path, layout):
+    """A venv under /tmp (the private /tmp used to collide with its bind: 'File exists' and a wrong hint), under
+    /opt, and reached through a symlink: the launcher run by that interpreter scores an honest solution."""
+    if layout == "opt":
+        base = Path("/opt") / f"mega_async_test_{secrets.token_hex(4)}"
+    else:
+        base = tmp_path
+    try:
+        python = _venv(base / "venv")
+        if layout == "symlinked-tmp":
+            (tmp_path / "link").symlink_to(base / "venv")
+            python = str(tmp_path / "link" / "bin" / "python")
+        job = CodeReward(isolation="auto").job("def f(x):\n    return 2 * x", ["assert f(2) == 4", "assert f(0) == 0"])
+        p = subprocess.run([python, "-I", "-S", code_mod._LAUNCHER], input=job, capture_output=True, timeout=60,
+                           check=False)
+        assert p.returncode == 0 and json.loads(p.stdout) == {"passed": 2, "total": 2, "complete": True}, p.stderr
+    finally:
+        if layout == "opt":
+            import shutil
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def test_an_interpreter_in_a_private_mount_or_the_root_is_refused_in_one_line():
+    """A Python installation whose directory is /tmp, /dev or / itself cannot be bound without showing the
+    host's: the launcher refuses in one line naming the directory and the fix, and never hangs."""
+    from mega_async.reward import sandbox
+
+    for bad in ("/", "/tmp", "/dev"):
+        with pytest.raises(sandbox.Refused, match=f"directory {bad} is the root or one of the sandbox's private"):
+            sandbox.check_python_dirs(["/usr", bad])
+    sandbox.check_python_dirs(["/tmp/venv", "/tmp/venv/bin", "/opt/py", "/usr"])  # under them is fine

@@ -92,3 +92,33 @@ def test_token_versions_follow_weight_version_spans():
     assert token_versions(spans, 5, 4) == [3, 3, 4, 4, 4]
     assert token_versions(None, 3, 7) == [7, 7, 7]
     assert token_versions([{"version": "x"}], 2, 1) == [1, 1]
+
+
+def test_a_reward_that_cannot_run_here_stops_the_rollout_never_spins():
+    """Issue 32: a code sandbox that cannot start rejected every sample and a run waited for a batch forever.
+    A reward raising RewardUnavailable (SandboxUnavailable is one) stops the rollout at once, with its line;
+    a reward that fails on every sample stops it after RewardRunner.max_failures_in_row."""
+    from mega_async.reward.code import SandboxUnavailable
+    from mega_async.rollout.workflow import RLVRWorkflow
+
+    def no_sandbox(prompt, completion, **_):
+        raise SandboxUnavailable("code sandbox: cannot create namespaces (...)")
+
+    ex = WorkflowExecutor(SimulatedEngine(), RLVRWorkflow(no_sandbox), consumer_batch_size=2, max_staleness=1,
+                          max_consecutive_failures=None)
+    with ex:
+        with pytest.raises(RolloutError, match="rollout stopped: SandboxUnavailable: code sandbox: cannot create"):
+            ex.prepare_batch([{"input_ids": [1, 2], "id": i} for i in range(10_000)])
+    calls = []
+
+    def broken(prompt, completion, **_):
+        calls.append(1)
+        raise KeyError("answer")
+
+    wf = RLVRWorkflow(broken)
+    wf.reward.max_failures_in_row = 8
+    ex = WorkflowExecutor(SimulatedEngine(), wf, consumer_batch_size=2, max_staleness=1, max_consecutive_failures=None)
+    with ex:
+        with pytest.raises(RolloutError, match=r"reward broken failed on 8 samples in a row \(last: raised KeyError"):
+            ex.prepare_batch([{"input_ids": [1, 2], "id": i} for i in range(10_000)])
+    assert len(calls) < 100

@@ -100,8 +100,8 @@ def _is_int(x: Any) -> bool:
 # unknown keys are ignored. `validate_model` applies those rules to a body, field by field.
 REQUIRED = object()
 _INT_TEXT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
-_INT_LEAD = re.compile(r"-?[1-9][0-9]*")  # the JSON number pydantic (jiter) tries first
-MAX_INT_CHARS = 4300  # pydantic's and CPython's bound on an integer's text
+_INT_LEAD = re.compile(r"-?([1-9][0-9]*)")  # the JSON number pydantic (jiter) tries first
+MAX_INT_CHARS = 4300  # pydantic's and CPython's bound on an integer's digits (the sign not counted: pydantic 2.14)
 _TRUE = ("1", "on", "t", "true", "y", "yes")
 _FALSE = ("0", "off", "f", "false", "n", "no")
 
@@ -122,8 +122,8 @@ def lax_int(v: Any) -> int:
             raise FieldError("Unable to parse input string as an integer, exceeded maximum size")
         return int(v)
     if isinstance(v, str):
-        lead = _INT_LEAD.match(v)  # pydantic reads a number from the raw text first: over 4300 characters is too big
-        if lead and lead.end() > MAX_INT_CHARS:
+        lead = _INT_LEAD.match(v)  # pydantic reads a number from the raw text first: over 4300 digits is too big
+        if lead and len(lead.group(1)) > MAX_INT_CHARS:
             raise FieldError("Unable to parse input string as an integer, exceeded maximum size")
         t = v.strip()
         if not _INT_TEXT.fullmatch(t):
@@ -131,7 +131,7 @@ def lax_int(v: Any) -> int:
         digits = t.split(".")[0].replace("_", "").lstrip("+")
         sign, digits = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
         digits = digits.lstrip("0") or "0"
-        if len(sign) + len(digits) > MAX_INT_CHARS:  # pydantic: too big after cleaning is a plain parse error
+        if len(digits) > MAX_INT_CHARS:  # pydantic: too big after cleaning is a plain parse error
             raise FieldError("Input should be a valid integer, unable to parse string as an integer")
         return int(sign + digits)
     raise FieldError("Input should be a valid integer")
