@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 import yaml
 
-from mega_async.config import ConfigError
+from mega_async.config import ConfigError, check_finite, load_typed
 
 logger = logging.getLogger("mega_async.sft")
 
@@ -45,7 +45,7 @@ class SFTTask:
 
 @dataclass
 class SFTTrainer:
-    steps: int = 600
+    total_steps: int = 600  # optimizer steps (the old name trainer.steps still loads, with a deprecation warning)
     batch_size: int = 64  # sequences per optimizer step
     lr: float = 3e-3
     min_lr: float = 0.0
@@ -71,6 +71,9 @@ class SFTLogging:
     level: str = "INFO"
 
 
+RENAMED = {"trainer.steps": "trainer.total_steps"}  # old SFT key -> the name `mega-async train` uses
+
+
 @dataclass
 class SFTConfig:
     experiment_name: str = "addition_sft"
@@ -85,51 +88,40 @@ class SFTConfig:
     def run_dir(self) -> Path:
         return Path(self.logging.root_dir) / self.experiment_name / self.trial_name
 
+    def validate(self) -> None:
+        """Raises ConfigError naming the first bad key."""
+        check_finite(self)
+        t, k = self.trainer, self.task
+        for key, v in (("trainer.total_steps", t.total_steps), ("trainer.batch_size", t.batch_size),
+                       ("task.eval_size", k.eval_size), ("task.rl_prompts", k.rl_prompts),
+                       ("task.eval_samples", k.eval_samples), ("trainer.max_tokens_per_mb", t.max_tokens_per_mb)):
+            if v < 1:
+                raise ConfigError(f"{key}={v} must be >= 1")
+        if not 1 <= k.digits <= 9:
+            raise ConfigError(f"task.digits={k.digits} must be in [1, 9]")
+        if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
+            raise ConfigError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr={t.min_lr} in [0, lr]")
+        if not 0 <= t.warmup_steps < t.total_steps:
+            raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.total_steps="
+                              f"{t.total_steps})")
+        if not 0 <= t.label_smoothing < 1:
+            raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
+        if self.model.init not in ("random", "pretrained"):
+            raise ConfigError(f"model.init={self.model.init!r} is not one of random, pretrained")
+        if t.lr_decay not in ("constant", "linear", "cosine"):
+            raise ConfigError(f"trainer.lr_decay={t.lr_decay!r} is not one of constant, linear, cosine")
+        if t.eval_interval < 0 or (t.threads is not None and t.threads < 1):
+            raise ConfigError("trainer.eval_interval must be >= 0 and trainer.threads >= 1 (or null)")
+        if t.stop_at_accuracy is not None and (not 0 < t.stop_at_accuracy <= 1 or not t.eval_interval):
+            raise ConfigError(f"trainer.stop_at_accuracy={t.stop_at_accuracy} must be in (0, 1] and needs "
+                              "trainer.eval_interval > 0 (the evaluations it stops at)")
+
 
 def load_sft_config(path: Optional[str], overrides: Sequence[str] = ()) -> SFTConfig:
-    """Defaults <- YAML <- dotted overrides, validated (ConfigError, one line naming the key)."""
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    layers: list[Any] = [OmegaConf.structured(SFTConfig)]
-    if path is not None:
-        if not Path(path).is_file():
-            raise ConfigError(f"config file {path} not found; pass an existing YAML file (configs/addition_sft_cpu.yaml)")
-        layers.append(OmegaConf.create(yaml.safe_load(Path(path).read_text()) or {}))
-    for ov in overrides:
-        if "=" not in ov or ov.startswith("="):
-            raise ConfigError(f"override {ov!r} is not key=value (example: trainer.steps=200)")
-    try:
-        if overrides:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
-        cfg: SFTConfig = OmegaConf.to_object(OmegaConf.merge(*layers))  # type: ignore[assignment]
-    except OmegaConfBaseException as e:
-        key = getattr(e, "full_key", None) or "<root>"
-        raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
-    t, k = cfg.trainer, cfg.task
-    for key, v in (("trainer.steps", t.steps), ("trainer.batch_size", t.batch_size), ("task.eval_size", k.eval_size),
-                   ("task.rl_prompts", k.rl_prompts), ("task.eval_samples", k.eval_samples),
-                   ("trainer.max_tokens_per_mb", t.max_tokens_per_mb)):
-        if v < 1:
-            raise ConfigError(f"{key}={v} must be >= 1")
-    if not 1 <= k.digits <= 9:
-        raise ConfigError(f"task.digits={k.digits} must be in [1, 9]")
-    if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
-        raise ConfigError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr={t.min_lr} in [0, lr]")
-    if not 0 <= t.warmup_steps < t.steps:
-        raise ConfigError(f"trainer.warmup_steps={t.warmup_steps} must be in [0, trainer.steps={t.steps})")
-    if not 0 <= t.label_smoothing < 1:
-        raise ConfigError(f"trainer.label_smoothing={t.label_smoothing} must be in [0, 1)")
-    if cfg.model.init not in ("random", "pretrained"):
-        raise ConfigError(f"model.init={cfg.model.init!r} is not one of random, pretrained")
-    if t.lr_decay not in ("constant", "linear", "cosine"):
-        raise ConfigError(f"trainer.lr_decay={t.lr_decay!r} is not one of constant, linear, cosine")
-    if t.eval_interval < 0 or (t.threads is not None and t.threads < 1):
-        raise ConfigError("trainer.eval_interval must be >= 0 and trainer.threads >= 1 (or null)")
-    if t.stop_at_accuracy is not None and (not 0 < t.stop_at_accuracy <= 1 or not t.eval_interval):
-        raise ConfigError(f"trainer.stop_at_accuracy={t.stop_at_accuracy} must be in (0, 1] and needs "
-                          "trainer.eval_interval > 0 (the evaluations it stops at)")
-    return cfg
+    """Defaults <- YAML <- dotted overrides, validated (ConfigError, one line naming the key): the loader of
+    `mega-async train` (mega_async.config.load_typed); trainer.steps loads as trainer.total_steps, with a warning."""
+    return load_typed(SFTConfig, path, overrides, command="mega-async sft", example="configs/addition_sft_cpu.yaml",
+                      renamed=RENAMED)
 
 
 def sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
@@ -231,7 +223,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
         raise ConfigError(f"model.init=pretrained but {cfg.model.path} has no weights; use model.init=random")
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     ids, eos = char_ids(tok), tok.eos_token_id
-    train = addition_items(t.steps * t.batch_size, k.digits, tok, seed=cfg.seed, split="train")
+    train = addition_items(t.total_steps * t.batch_size, k.digits, tok, seed=cfg.seed, split="train")
     held = addition_items(k.eval_size, k.digits, tok, seed=0, split="eval")
     seen = {it["prompt"] for it in held}  # the stop decision is taken on other held-out problems than the report
     dev = [it for it in addition_items(k.eval_size, k.digits, tok, seed=1, split="eval") if it["prompt"] not in seen]
@@ -243,23 +235,23 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     init_distributed()
     engine = MegatronTrainEngine(start, parse_allocation("megatron:d1"), EngineConfig.of(
-        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps, total_steps=t.steps,
-        lr_decay=t.lr_decay, grad_clip=t.grad_clip, max_tokens_per_mb=t.max_tokens_per_mb, loss="sft",
-        label_smoothing=t.label_smoothing))
+        lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, warmup_steps=t.warmup_steps,
+        total_steps=t.total_steps, lr_decay=t.lr_decay, grad_clip=t.grad_clip, max_tokens_per_mb=t.max_tokens_per_mb,
+        loss="sft", label_smoothing=t.label_smoothing))
     metrics = Metrics(run_dir, tensorboard=False)
     t0 = time.monotonic()
     try:
-        for step in range(t.steps):
+        for step in range(t.total_steps):
             batch = sft_batch([sft_example(it, ids, eos) for it in train[step * t.batch_size:(step + 1) * t.batch_size]])
             st = engine.train_batch(batch)
             ev = {}
-            if t.eval_interval and (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
+            if t.eval_interval and (step + 1) % t.eval_interval == 0 and step + 1 < t.total_steps:
                 ev = {f"eval/{k2}": v for k2, v in _engine_eval(engine, cfg, dev, tok).items()}
             metrics.log(step, {"loss": st["loss"], "tokens": st["tokens"], "grad_norm": st["grad_norm"],
                                "lr": st["lr"], **ev})
             if step % 50 == 0 or ev:
-                logger.info("sft step %d/%d: loss %.4f, lr %.2e%s (%.0fs)", step, t.steps, st["loss"], st["lr"],
-                            f", eval greedy {ev['eval/greedy']:.3f}" if ev else "", time.monotonic() - t0)
+                logger.info("sft step %d/%d: loss %.4f, lr %.2e%s (%.0fs)", step, t.total_steps, st["loss"],
+                            st["lr"], f", eval greedy {ev['eval/greedy']:.3f}" if ev else "", time.monotonic() - t0)
             if ev and t.stop_at_accuracy is not None and ev["eval/greedy"] >= t.stop_at_accuracy:
                 logger.info("sft: held-out greedy exact match %.3f >= trainer.stop_at_accuracy=%.3f after %d steps: "
                             "stopping", ev["eval/greedy"], t.stop_at_accuracy, step + 1)

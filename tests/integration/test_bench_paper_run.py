@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # an SFT run and two training runs
 def test_sweep_runner_on_a_two_step_config(tmp_path):
     sft = tmp_path / "sft" / "addition_sft" / "run0"
     r = subprocess.run([sys.executable, "-m", "mega_async.cli", "sft", "-c", "configs/addition_sft_cpu.yaml",
-                        f"logging.root_dir={tmp_path / 'sft'}", "trainer.steps=3", "trainer.warmup_steps=1",
+                        f"logging.root_dir={tmp_path / 'sft'}", "trainer.total_steps=3", "trainer.warmup_steps=1",
                         "trainer.stop_at_accuracy=null", "trainer.eval_interval=0", "task.eval_size=16",
                         "task.rl_prompts=64"], cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -96,10 +96,10 @@ def test_sft_batch_layout():
 
 
 def test_sft_config_validation(tmp_path):
-    cfg = load_sft_config("configs/addition_sft_cpu.yaml", ["trainer.steps=5", "trainer.warmup_steps=1"])
-    assert cfg.trainer.steps == 5 and cfg.model.path == CARD
+    cfg = load_sft_config("configs/addition_sft_cpu.yaml", ["trainer.total_steps=5", "trainer.warmup_steps=1"])
+    assert cfg.trainer.total_steps == 5 and cfg.model.path == CARD
     with pytest.raises(ConfigError, match="trainer.warmup_steps"):
-        load_sft_config(None, ["trainer.steps=5", "trainer.warmup_steps=5"])
+        load_sft_config(None, ["trainer.total_steps=5", "trainer.warmup_steps=5"])
     with pytest.raises(ConfigError, match="task.digits"):
         load_sft_config(None, ["task.digits=0"])
     with pytest.raises(ConfigError, match="trainer.stepz"):

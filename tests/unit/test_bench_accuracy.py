@@ -39,7 +39,7 @@ def test_addition_scenario_loads_and_bad_sections_are_refused(tmp_path):
 
 def test_prepare_sft_reuses_a_finished_run(tmp_path):
     cfg = tmp_path / "sft.yaml"
-    cfg.write_text("trainer: {steps: 3}\n")
+    cfg.write_text("trainer: {total_steps: 3}\n")
     key = hashlib.sha256(cfg.read_text().encode() + repr(["x=1"]).encode()).hexdigest()[:12]
     run = tmp_path / "cache" / "bench_sft" / key
     (run / "final_hf").mkdir(parents=True)
