@@ -1,5 +1,12 @@
 """mega_async: asynchronous RL post-training of Mixture-of-Experts LLMs (Megatron-Core + SGLang)."""
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+# the version's one source is mega_async/__init__.py (`mega-async --version` prints it); read, not imported
+VERSION = re.search(r'^__version__ = "([^"]+)"', (Path(__file__).parent / "mega_async" / "__init__.py").read_text(),
+                    re.M).group(1)
 
 CORE = [
     # torch is pinned only on the CPU path (requirements-cpu.txt); GPU users bring their CUDA build.
@@ -24,7 +31,7 @@ CORE = [
 
 setup(
     name="mega_async",
-    version="0.1.0",
+    version=VERSION,
     description="Asynchronous RL post-training of large MoE language models with Megatron-Core and SGLang",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

@@ -19,7 +19,8 @@ logger = logging.getLogger("mega_async.launch.slurm.submit")
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mega-async launch slurm", description=__doc__)
+    p = argparse.ArgumentParser(prog="mega-async launch slurm", description=__doc__,
+                                epilog="every key of the run config (-c, overrides): mega-async train --help")
     p.add_argument("--config", "-c", required=True, help="YAML run config (see configs/)")
     p.add_argument("--nodes", type=int, default=None, help="nodes of the job (default: launch.nodes)")
     p.add_argument("--gpus-per-node", type=int, default=None,
@@ -30,6 +31,16 @@ def parser() -> argparse.ArgumentParser:
                    help="after pre-emption the job requeues itself and resumes (trainer.resume=auto)")
     p.add_argument("--dry-run", action="store_true", help="validate and print the sbatch script; submit nothing")
     p.add_argument("overrides", nargs="*", help="dotted overrides, passed to the training run too")
+    return p
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """`mega-async launch`: its subcommands, one per scheduler (their own flags in `mega-async launch slurm -h`)."""
+    p = argparse.ArgumentParser(prog="mega-async launch", description="render and submit a training job to a "
+                                "cluster scheduler (the job starts its inference servers and trainer ranks)")
+    sub = p.add_subparsers(title="subcommands", metavar="{slurm}")
+    sub.add_parser("slurm", help="validate the split, render one sbatch job, print it (--dry-run) or submit it "
+                   "(mega-async launch slurm -h)")
     return p
 
 
@@ -119,8 +130,13 @@ def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["slurm"]:
-        print("usage: mega-async launch slurm -c CONFIG --nodes N --gpus-per-node G [--dry-run] [overrides]",
-              file=sys.stderr)
+        top = launch_parser()
+        if argv[:1] in (["-h"], ["--help"]):
+            top.print_help()
+            return 0
+        top.print_usage(sys.stderr)
+        what = f"unknown scheduler {argv[0]!r}" if argv else "name the scheduler"
+        print(f"mega-async launch: {what}; the one there is: slurm (mega-async launch slurm -h)", file=sys.stderr)
         return 2
     from mega_async.checkpoint import CheckpointError
 
