@@ -3,7 +3,9 @@
 The sandbox (sandbox.py) runs the solution in fresh mount, PID, network, IPC and UTS namespaces on a new
 root that holds only read-only system and Python directories and private tmpfs /tmp and /dev/shm, with no
 capabilities, `no_new_privs`, its own unprivileged uid (as root; otherwise a user namespace) and resource
-limits (address space, CPU seconds, file size, open files, processes). The tests run in a second process,
+limits (address space, CPU seconds, file size, open files, processes), and memory, processes and CPU bounded for
+the solution as a whole (sandbox_limits.py: a cgroup per sandbox, or no fork at all; which one applies is logged
+once at start-up by `check_sandbox`). The tests run in a second process,
 the judge, against proxies of the solution's names: every value a test compares is a plain value decoded
 in the judge (an object of the solution's cannot answer `==` there), and only the judge can write the
 verdict, on a pipe the solution does not hold; the solution's output goes nowhere.
@@ -176,12 +178,15 @@ def verdict(out: bytes, err: bytes, rc: int, total: int) -> tuple[int, int]:
 @lru_cache(maxsize=1)
 def check_sandbox() -> str:
     """Run a one-test job in the sandbox (synchronously, once per process); returns "ok" or raises
-    SandboxUnavailable with the machine's reason, so a run that scores code refuses at start-up."""
+    SandboxUnavailable with the machine's reason, so a run that scores code refuses at start-up. Logs (one line)
+    how a solution's memory, processes and CPU are bounded here: a cgroup, or no fork."""
     reward = CodeReward(timeout=20.0)
-    proc = subprocess.run([sys.executable, "-I", "-S", _LAUNCHER], input=reward.job("x = 1", ["assert x == 1"]),
+    job = {**json.loads(reward.job("x = 1", ["assert x == 1"])), "report_limits": True}
+    proc = subprocess.run([sys.executable, "-I", "-S", _LAUNCHER], input=json.dumps(job).encode(),
                           capture_output=True, timeout=60, env=_ENV, check=False)
     if verdict(proc.stdout, proc.stderr, proc.returncode, 1) != (1, 1):
         raise SandboxUnavailable("code sandbox: a passing test did not pass in the sandbox")
+    logger.info("code sandbox: %s", json.loads(proc.stdout).get("limits", "limits unknown"))
     return "ok"
 
 

@@ -12,8 +12,11 @@ the judge, which alone holds the verdict pipe and runs the tests, and the worker
 (sandbox_harness.py). Nothing of the host's is reachable: no file to write, no process to see, no socket
 (a new network namespace also isolates abstract unix sockets; filesystem sockets are not in the new root).
 PID 1 exiting kills everything in the namespace. Exit status 3 with one line on stderr: no sandbox here.
+Memory, processes and CPU are bounded for the solution as a whole (sandbox_limits.py: a cgroup per sandbox, or a
+worker that cannot fork).
 """
 import ctypes
+import importlib.util
 import json
 import os
 import resource
@@ -37,6 +40,11 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 SCRATCH = "/tmp/scratch"
 ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": "/tmp", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+_spec = importlib.util.spec_from_file_location(
+    "mega_async_sandbox_limits", os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_limits.py"))
+limits_mod = importlib.util.module_from_spec(_spec)  # `python -I` puts no script directory on sys.path
+_spec.loader.exec_module(limits_mod)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
@@ -296,12 +304,15 @@ def build_root(job: dict, worker_uid) -> None:
 
 # --- the two processes -------------------------------------------------------------------------------------
 
-def _confine(uid, setgroups: bool, limits: dict):
-    """preexec_fn: no capabilities (bounding set emptied), the given uid, no_new_privs, resource limits."""
+def _confine(uid, setgroups: bool, limits: dict, join=None):
+    """preexec_fn: `join` (into the solution's cgroup), no capabilities (bounding set emptied), the given uid,
+    no_new_privs, resource limits."""
     with open("/proc/sys/kernel/cap_last_cap") as f:
         last_cap = int(f.read())
 
     def pre() -> None:
+        if join is not None:
+            join()
         for cap in range(last_cap + 1):
             _prctl(PR_CAPBSET_DROP, cap)
         if setgroups:
@@ -315,12 +326,12 @@ def _confine(uid, setgroups: bool, limits: dict):
     return pre
 
 
-def _spawn(role: str, job: dict, ids: Ids, fds: list[int], stdin: int, limits: dict) -> subprocess.Popen:
+def _spawn(role: str, job: dict, ids: Ids, fds: list[int], stdin: int, limits: dict, join=None) -> subprocess.Popen:
     cmd = [sys.executable, "-I", "-c", job["harness"], role, *map(str, fds)]
     stderr = 2 if role == "judge" and job.get("debug") else subprocess.DEVNULL  # debug: failing tests' tracebacks
     return subprocess.Popen(cmd, stdin=stdin, stdout=subprocess.DEVNULL, stderr=stderr,
                             pass_fds=fds, cwd=SCRATCH, env=ENV,
-                            preexec_fn=_confine(getattr(ids, role), ids.setgroups, limits))
+                            preexec_fn=_confine(getattr(ids, role), ids.setgroups, limits, join))
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -334,9 +345,9 @@ def _write_all(fd: int, data: bytes) -> None:
         os.close(fd)
 
 
-def judge_and_report(job: dict, ids: Ids) -> dict:
-    """Start the judge and the worker; the solution's code goes to the worker once the judge is undumpable.
-    Returns the last progress line the judge wrote."""
+def judge_and_report(job: dict, ids: Ids, plan) -> dict:
+    """Start the judge and the worker (in the solution's cgroup, or unable to fork: `plan`); the solution's code
+    goes to the worker once the judge is undumpable. Returns the last progress line the judge wrote."""
     start = time.monotonic()
     build_root(job, ids.worker)
     limits = {"RLIMIT_AS": job["memory_bytes"], "RLIMIT_CPU": job["cpu_seconds"], "RLIMIT_FSIZE": job["file_bytes"],
@@ -347,11 +358,11 @@ def judge_and_report(job: dict, ids: Ids) -> dict:
     tests_r, tests_w = os.pipe()
     code_r, code_w = os.pipe()
     _spawn("judge", job, ids, [verdict_w, req_w, rep_r], tests_r, limits)
-    _spawn("worker", job, ids, [req_r, rep_w], code_r, limits)
+    _spawn("worker", job, ids, [req_r, rep_w], code_r, {**limits, **plan.worker_limits()}, plan.join_worker)
     for fd in (verdict_w, req_w, rep_r, tests_r, req_r, rep_w, code_r):
         os.close(fd)
     _write_all(tests_w, json.dumps({k: job.get(k) for k in ("tests", "timeout", "debug")}).encode())
-    lines = _Lines(verdict_r, start + job["timeout"] + 0.5)
+    lines = _Lines(verdict_r, start + job["timeout"] + 0.5, plan.watch)
     if lines.next() is None:
         return {"error": "the judge did not start"}
     # The judge is undumpable now (its first line says so): only then may the solution's code run.
@@ -364,10 +375,10 @@ def judge_and_report(job: dict, ids: Ids) -> dict:
 
 
 class _Lines:
-    """Progress lines from the judge, read until EOF or `deadline`; reaps zombies while it waits."""
+    """Progress lines from the judge, read until EOF or `deadline`; reaps zombies and calls `watch` while it waits."""
 
-    def __init__(self, fd: int, deadline: float):
-        self.fd, self.deadline, self.buf = fd, deadline, b""
+    def __init__(self, fd: int, deadline: float, watch=None):
+        self.fd, self.deadline, self.buf, self.watch = fd, deadline, b"", watch
 
     def next(self):
         while b"\n" not in self.buf:
@@ -380,6 +391,8 @@ class _Lines:
                     return None
                 self.buf += chunk
             _reap()
+            if self.watch is not None:
+                self.watch()
         line, self.buf = self.buf.split(b"\n", 1)
         try:
             out = json.loads(line)
@@ -419,15 +432,31 @@ def main() -> int:
     check_python_dirs(job["python_dirs"])
     if os.uname().machine not in SYS_PIVOT_ROOT:
         raise Refused(f"no pivot_root system call number for {os.uname().machine} in mega_async/reward/sandbox.py")
+    plan = limits_mod.make(job["memory_bytes"], job.get("solution_limits", "auto"))
+    try:
+        return _run(job, plan)
+    finally:
+        plan.finish()
+
+
+def _run(job: dict, plan) -> int:
+    """Namespaces, PID 1 (moved into the sandbox's cgroup before it starts anything) and the verdict line it
+    gives, with the limits that applied and the peak memory where the job asks (`report_limits`)."""
     ids = unshare(job.get("isolation", "auto"))
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
     pid = os.fork()
     if pid == 0:  # PID 1 of the new namespace: dies with this process, and everything inside dies with it
         code = 1
         try:
+            os.close(go_w)
+            os.close(out_r)
             _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
             _prctl(PR_SET_DUMPABLE, 0)
-            out = judge_and_report(job, ids)
-            os.write(1, (json.dumps(out) + "\n").encode())
+            if os.read(go_r, 1) != b"1":
+                plan.fall_back("the launcher could not move the sandbox into its cgroup")
+            out = judge_and_report(job, ids, plan)
+            os.write(out_w, (json.dumps(out) + "\n").encode())
             code = 0
         except OSError as e:
             sys.stderr.write(f"code sandbox: cannot build the sandbox here ({e}){_hint(ids.mode, e.errno)}\n")
@@ -437,8 +466,26 @@ def main() -> int:
         finally:
             sys.stderr.flush()
             os._exit(code)
+    os.close(go_r)
+    os.close(out_w)
+    try:
+        plan.enter(pid)
+        go = b"1"
+    except OSError as e:
+        plan.fall_back(f"cannot move the sandbox into its cgroup: {e.strerror}")
+        go = b"0"
+    os.write(go_w, go)
+    os.close(go_w)
+    out = b""
+    while chunk := os.read(out_r, 1 << 16):
+        out += chunk[:max(0, (1 << 16) - len(out))]
+    os.close(out_r)
     _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    code = os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+    if code == 0 and out and job.get("report_limits"):
+        out = (json.dumps({**json.loads(out), "limits": plan.describe, **plan.finish()}) + "\n").encode()
+    os.write(1, out)
+    return code
 
 
 def _hint(mode: str, errno: int) -> str:

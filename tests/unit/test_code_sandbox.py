@@ -401,3 +401,103 @@ def test_an_interpreter_in_a_private_mount_or_the_root_is_refused_in_one_line():
         with pytest.raises(sandbox.Refused, match=f"directory {bad} is the root or one of the sandbox's private"):
             sandbox.check_python_dirs(["/usr", bad])
     sandbox.check_python_dirs(["/tmp/venv", "/tmp/venv/bin", "/opt/py", "/usr"])  # under them is fine
+
+
+# --- issue 33: limits for the solution as a whole -----------------------------------------------------------------
+FORK_AND_ALLOCATE = r'''
+import os, time
+def spawn():
+    r, w = os.pipe()
+    if os.fork() == 0:
+        b = b"\x01" * (300 << 20)  # touched, not just reserved
+        os.write(w, b"1")
+        time.sleep(60)
+        os._exit(0)
+    os.close(w)
+    return r
+done = failed = 0
+for _ in range(8):
+    try:
+        r = spawn()
+    except OSError:
+        failed += 1
+        continue
+    done += os.read(r, 1) == b"1"
+'''
+
+
+def _mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+
+
+@pytest.mark.parametrize("want", ["auto", "rlimit"])
+def test_a_solution_that_forks_and_allocates_is_bounded_as_a_whole(want):
+    """Issue 33: RLIMIT_AS was per process, so 8 forked children of 300 MB each (a 512 MB limit) took 2.4 GB of the
+    host. With a cgroup the whole solution is stopped at the limit (the cgroup's peak stays under it) and its test
+    fails; without one (or asked for none) the worker cannot fork at all. Either way a verdict, never a crash."""
+    job = json.loads(CodeReward(memory_mb=512).job(FORK_AND_ALLOCATE, ["assert done == 8"]))
+    job.update(report_limits=True, solution_limits=want)
+    before = _mem_available()
+    p = subprocess.run([sys.executable, "-I", "-S", code_mod._LAUNCHER], input=json.dumps(job).encode(),
+                       capture_output=True, timeout=60, check=False)
+    drop = (before - _mem_available()) >> 20
+    v = json.loads(p.stdout)
+    assert p.returncode == 0 and v["passed"] == 0 and v["total"] == 1, (p.stderr, v)
+    assert "limits" in v, v
+    if v["limits"].startswith("cgroup"):
+        assert 0 < v["memory_peak"] <= 512 << 20, (v, f"host MemAvailable fell {drop} MiB")
+    else:
+        assert v["limits"].startswith("no cgroup") and "RLIMIT_NPROC 1" in v["limits"], v
+        job["tests"] = ["assert failed == 8 and done == 0"]  # it did run: every fork was refused
+        p = subprocess.run([sys.executable, "-I", "-S", code_mod._LAUNCHER], input=json.dumps(job).encode(),
+                           capture_output=True, timeout=60, check=False)
+        assert json.loads(p.stdout)["passed"] == 1, p.stdout
+    assert score(FORK_AND_ALLOCATE, ["assert done == 8"], memory_mb=512) == 0.0  # through the reward: a score
+
+
+def test_the_solutions_limits_are_logged_once_at_start_up(caplog):
+    """Which bound applies here (a cgroup and its numbers, or no fork) is one log line when a run checks the
+    sandbox at start-up."""
+    caplog.set_level(logging.INFO, logger="mega_async.reward.code")
+    assert check_sandbox.__wrapped__() == "ok"
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("code sandbox: ")]
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert "per solution" in lines[0] or "RLIMIT_NPROC 1" in lines[0], lines
+
+
+def test_cgroup_v2_limits_go_under_the_nearest_cgroup_that_delegates_memory_and_pids(tmp_path):
+    """The v2 plan on a made-up hierarchy (this machine may have none): our cgroup /a/b has processes, so S goes
+    under /a, whose subtree_control has memory and pids; S bounds the whole sandbox, S/solution the solution."""
+    from mega_async.reward import sandbox
+
+    lim = sandbox.limits_mod
+    fs, proc = tmp_path / "cg", tmp_path / "proc"
+    (fs / "a" / "b").mkdir(parents=True)
+    proc.mkdir()
+    (fs / "cgroup.subtree_control").write_text("")
+    (fs / "cgroup.controllers").write_text("")
+    (fs / "a" / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (fs / "a" / "b" / "cgroup.subtree_control").write_text("\n")
+    (proc / "mountinfo").write_text(f"41 31 0:38 / {fs} rw,relatime - cgroup2 cgroup2 rw\n")
+    (proc / "cgroup").write_text("0::/a/b\n")
+    plan = lim.Plan(512 << 20)
+    plan.make_v2(str(proc))
+    try:
+        [s] = [d for d in (fs / "a").iterdir() if d.name.startswith(lim.PREFIX)]
+        assert s.name.startswith(f"{lim.PREFIX}{os.getpid()}-")
+        assert (s / "memory.max").read_text() == str(512 << 20) and (s / "pids.max").read_text() == "64"
+        assert (s / "cpu.max").read_text() == "100000 100000" and (s / "cgroup.subtree_control").read_text() == "+memory"
+        assert (s / "solution" / "memory.max").read_text() == str(448 << 20)
+        assert plan.pid1 == [f"{s}/supervisor/cgroup.procs"] and plan.mode == "cgroup2"
+        assert plan.describe.startswith(f"cgroup v2 per solution (under {fs}/a): memory 512 MiB in all"), plan.describe
+    finally:
+        for d in (s / "solution", s / "supervisor", s):  # a real cgroupfs needs no file removed first
+            for f in d.iterdir():
+                if f.is_file():
+                    f.unlink()
+        plan.finish()
+    assert not s.exists()
+    (fs / "a" / "cgroup.subtree_control").write_text("pids\n")  # nothing delegates memory: no cgroup, a reason
+    with pytest.raises(lim.NoCgroup, match="delegates memory and pids"):
+        lim.Plan(512 << 20).make_v2(str(proc))
