@@ -156,6 +156,7 @@ class DataConfig:
     path: Optional[str] = None  # local jsonl/parquet file or directory
     split: str = "train"
     max_prompt_tokens: int = 256  # longer prompts are skipped at load (their count is logged)
+    max_row_bytes: int = 32 << 20  # a larger dataset row is refused at load, before anything tokenizes it
     shuffle: bool = True  # a seeded permutation per epoch (seed + epoch); the same after a resume
     # the reward function: synthetic | gsm8k | code | package.module:function (fn(prompt, completion, **item));
     # null = the dataset's own (synthetic -> synthetic, gsm8k -> gsm8k; a jsonl dataset must name one)
@@ -179,6 +180,7 @@ class DataConfig:
         if rw is not None and rw not in REWARDS and (":" not in rw or not all(rw.partition(":")[::2])):
             raise ConfigError(f"data.reward={rw!r} is not one of {', '.join(REWARDS)} or package.module:function")
         _positive("data.max_prompt_tokens", self.max_prompt_tokens)
+        _positive("data.max_row_bytes", self.max_row_bytes)
         _positive("data.eval_size", self.eval_size)
         if self.synthetic_target is not None and self.synthetic_target < 1:
             raise ConfigError(f"data.synthetic_target={self.synthetic_target} must be a token id >= 1 (or null)")

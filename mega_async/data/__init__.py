@@ -7,8 +7,13 @@ from pathlib import Path
 from typing import Any
 
 
-def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a .jsonl or .parquet file (parquet needs pyarrow)."""
+MAX_ROW_BYTES = 32 << 20  # data.max_row_bytes: a bigger row is refused before anything tokenizes it
+
+
+def load_rows(path: str | Path, max_row_bytes: int = MAX_ROW_BYTES) -> list[dict[str, Any]]:
+    """Rows of a .jsonl or .parquet file (parquet needs pyarrow). ValueError (one line, `file:line` or `file: row
+    N`) for a row that is not UTF-8, not JSON, not an object, or larger than `max_row_bytes` (a 200 MB row took
+    3.3 GB to tokenize and the run died of an allocation failure); a jsonl row is never read past that bound."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"data file {p} not found; set data.path to a .jsonl or .parquet file")
@@ -17,23 +22,53 @@ def load_rows(path: str | Path) -> list[dict[str, Any]]:
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
-        return pq.read_table(p).to_pylist()
+        rows = pq.read_table(p).to_pylist()
+        for i, row in enumerate(rows):
+            if _size(row) > max_row_bytes:
+                raise ValueError(f"{p}: row {i}: {_too_big(max_row_bytes)}")
+        return rows
     rows = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{p}:{n}: invalid JSON ({e.msg})") from None
-                except RecursionError:
-                    raise ValueError(f"{p}:{n}: invalid JSON (nested deeper than the parser goes)") from None
-                except ValueError as e:  # an integer literal of more than sys.get_int_max_str_digits() digits
-                    raise ValueError(f"{p}:{n}: invalid JSON ({e})") from None
-                if not isinstance(row, dict):
-                    raise ValueError(f"{p}:{n}: a row must be a JSON object, got {type(row).__name__}")
-                rows.append(row)
+    with p.open("rb") as f:
+        for n, raw in enumerate(iter(lambda: f.readline(max_row_bytes + 2), b""), 1):
+            if len(raw) - raw.endswith(b"\n") > max_row_bytes:
+                raise ValueError(f"{p}:{n}: {_too_big(max_row_bytes)}")
+            if raw.strip():
+                rows.append(_parse(raw, f"{p}:{n}"))
     return rows
+
+
+def _too_big(limit: int) -> str:
+    return (f"row larger than data.max_row_bytes={limit} bytes; drop or shorten the row, or raise "
+            "data.max_row_bytes")
+
+
+def _size(x: Any) -> int:
+    """About the bytes of a parquet row's values (characters of its strings)."""
+    if isinstance(x, (str, bytes)):
+        return len(x)
+    if isinstance(x, dict):
+        return sum(_size(k) + _size(v) for k, v in x.items())
+    if isinstance(x, (list, tuple)):
+        return sum(_size(v) for v in x)
+    return 8
+
+
+def _parse(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where}: not UTF-8 ({e.reason} at byte {e.start + 1} of the row)") from None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+    except RecursionError:
+        raise ValueError(f"{where}: invalid JSON (nested deeper than the parser goes)") from None
+    except ValueError as e:  # an integer literal of more than sys.get_int_max_str_digits() digits
+        raise ValueError(f"{where}: invalid JSON ({e})") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    return row
 
 
 def check_items(rows: list[dict[str, Any]], where: str, vocab_size: int) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from mega_async.data import load_rows
+from mega_async.data import MAX_ROW_BYTES, load_rows
 
 logger = logging.getLogger("mega_async.data.gsm8k")
 
@@ -51,11 +51,11 @@ def _split_file(d: Path, split: str) -> Optional[Path]:
     return next((d / f"{split}{ext}" for ext in (".jsonl", ".parquet") if (d / f"{split}{ext}").exists()), None)
 
 
-def _local(path: Path, split: str) -> tuple[list[dict[str, Any]], str]:
+def _local(path: Path, split: str, max_row_bytes: int = MAX_ROW_BYTES) -> tuple[list[dict[str, Any]], str]:
     p = _split_file(path, split) if path.is_dir() else path
     if p is None:
         raise FileNotFoundError(f"{path} has no {split}.jsonl or {split}.parquet; set data.path to a GSM8K file")
-    return _check(load_rows(p), str(p)), str(p)
+    return _check(load_rows(p, max_row_bytes), str(p)), str(p)
 
 
 def _by_name(name: str, split: str) -> list[dict[str, Any]]:
@@ -70,11 +70,13 @@ def _by_name(name: str, split: str) -> list[dict[str, Any]]:
 
 
 def load_gsm8k(path: Optional[str], split: str = "train", *, eval_path: Optional[str] = None,
-               eval_split: str = "test", eval_size: int = 0, chat: bool = True) -> GSM8KSplits:
-    """Training items and (with eval_size > 0) the first `eval_size` held-out items."""
+               eval_split: str = "test", eval_size: int = 0, chat: bool = True,
+               max_row_bytes: int = MAX_ROW_BYTES) -> GSM8KSplits:
+    """Training items and (with eval_size > 0) the first `eval_size` held-out items (a local file's rows each at
+    most `max_row_bytes`)."""
     local = path is not None and Path(path).exists()
     if local:
-        rows, source = _local(Path(path), split)  # type: ignore[arg-type]
+        rows, source = _local(Path(path), split, max_row_bytes)  # type: ignore[arg-type]
     elif path is not None and (path.startswith((".", "/")) or path.endswith((".jsonl", ".parquet"))):
         raise FileNotFoundError(f"data file {path} not found; set data.path to a GSM8K .jsonl/.parquet file or a "
                                 "directory with train.jsonl")
@@ -84,9 +86,9 @@ def load_gsm8k(path: Optional[str], split: str = "train", *, eval_path: Optional
     held: list[dict[str, Any]] = []
     if eval_size > 0:
         if eval_path is not None:
-            held, _ = _local(Path(eval_path), eval_split)
+            held, _ = _local(Path(eval_path), eval_split, max_row_bytes)
         elif local and Path(path).is_dir() and _split_file(Path(path), eval_split) is not None:  # type: ignore[arg-type]
-            held, _ = _local(Path(path), eval_split)  # type: ignore[arg-type]
+            held, _ = _local(Path(path), eval_split, max_row_bytes)  # type: ignore[arg-type]
         elif not local:
             held = _by_name(source, eval_split)
         else:  # one file: its tail is held out

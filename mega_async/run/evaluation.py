@@ -87,4 +87,4 @@ def cfg_heldout(cfg: Any) -> list[dict[str, Any]]:
 
     d = cfg.data
     return load_gsm8k(d.path, d.split, eval_path=d.eval_path, eval_split=d.eval_split, eval_size=d.eval_size,
-                      chat=d.chat_template).heldout
+                      chat=d.chat_template, max_row_bytes=d.max_row_bytes).heldout

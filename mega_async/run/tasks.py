@@ -21,8 +21,9 @@ def build_dataset(cfg: RunConfig, vocab_size: int) -> list[dict[str, Any]]:
         from mega_async.data.gsm8k import load_gsm8k
 
         return load_gsm8k(d.path, d.split, eval_path=d.eval_path, eval_split=d.eval_split, chat=d.chat_template,
-                          eval_size=d.eval_size if cfg.trainer.eval_interval else 0).train
-    rows = load_rows(d.path)  # type: ignore[arg-type]
+                          eval_size=d.eval_size if cfg.trainer.eval_interval else 0,
+                          max_row_bytes=d.max_row_bytes).train
+    rows = load_rows(d.path, d.max_row_bytes)  # type: ignore[arg-type]
     if cfg.rollout.workflow in ("rlvr", "multi_turn"):  # a user's workflow reads its own row shape
         check_items(rows, str(d.path), vocab_size)
     return rows
