@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 import torch
 from aiohttp import web
 
+from mega_async.inference.server.connections import ConnectionLimits, middlewares
 from mega_async.inference.server.engine import EngineRefused, GenerationEngine, GenRequest
 from mega_async.inference.server.generate_protocol import (GenerateLimits, Options, check_text, parse_generate,
                                                            prompt_items, response_body)
@@ -131,13 +132,14 @@ class EmbeddedServer:
                  enable_return_routed_experts: bool = False, served_model_name: Optional[str] = None,
                  sglang_version: str = MIRRORED_DEFAULT, enable_memory_saver: bool = False,
                  enable_custom_logit_processor: bool = False, max_queued_requests: Optional[int] = None,
-                 max_requests_per_body: int = 1 << 14):
+                 max_requests_per_body: int = 1 << 14, connection_limits: ConnectionLimits = ConnectionLimits()):
         from transformers import AutoTokenizer
 
         self.model_path = str(Path(model_path).resolve())
         self.served_model_name = served_model_name or self.model_path
         self.weights_root = Path(weights_root or Path(self.model_path).parent).resolve()
         self.api_key = api_key
+        self.connection_limits = connection_limits  # the body's deadline here; the header's and the cap in serve()
         self.host, self.port, self.dtype, self.device = host, port, dtype, device
         self.enable_return_routed_experts = enable_return_routed_experts
         # reported in /server_info as started (SGLang's flags, default off); memory is released either way
@@ -175,7 +177,8 @@ class EmbeddedServer:
 
     # ---- app -------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[*middlewares(self.connection_limits, self._auth), self._errors],
+                              client_max_size=64 << 20)
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/pause_generation", self.pause_generation)
@@ -247,7 +250,7 @@ class EmbeddedServer:
             return web.json_response(handler_error_body(f"{type(e).__name__}: {e}"), status=400)
 
     async def json_body(self, request: web.Request) -> Any:
-        if not request.can_read_body:
+        if not request.body_exists:
             raise BadRequest("request body required (send {} at least)")
         try:
             body = await request.json()
@@ -476,7 +479,7 @@ class EmbeddedServer:
                                              "performed.)\n")
 
     async def _memory(self, request: web.Request, fn: Callable[[list[str]], None]) -> web.Response:
-        body = await self._model_body(request) if request.can_read_body else {}
+        body = await self._model_body(request) if request.body_exists else {}
         try:
             tags = parse_tags(body)
             await asyncio.wrap_future(self.engine.run_command(lambda: fn(tags)))
@@ -492,7 +495,7 @@ class EmbeddedServer:
 
     async def weights_checker(self, request: web.Request) -> web.Response:
         """GET|POST /weights_checker {"action": checksum|snapshot|compare|reset_tensors, ...}, as SGLang."""
-        body = await self.json_body(request) if request.can_read_body else None
+        body = await self.json_body(request) if request.body_exists else None
         if body is not None and not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         action, skip, _selector = parse_check(validate_request("/weights_checker", body) if body else body)

@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from aiohttp import web
-
 from mega_async.inference.server.app import DTYPES, EmbeddedServer
+from mega_async.inference.server.connections import ConnectionLimits, serve
 from mega_async.inference.sglang_releases import MIRRORED_DEFAULT, TESTED_RANGE, untested_reason
 
 logger = logging.getLogger("mega_async.inference.server")
@@ -56,6 +55,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--sglang-version", default=MIRRORED_DEFAULT,
                    help=f"the SGLang release whose weight-update protocol to mirror ({TESTED_RANGE}; before 0.5.21: "
                         "no /begin_weight_update sessions)")
+    p.add_argument("--header-timeout", type=float, default=ConnectionLimits.header_timeout,
+                   help="seconds a client has to send a request's line and headers (from connecting, or from the "
+                        "request's first byte on a kept-alive connection); slower connections are closed")
+    p.add_argument("--body-timeout", type=float, default=ConnectionLimits.body_timeout,
+                   help="seconds a client has to send a request's body; past it 408 and the connection is closed")
+    p.add_argument("--max-connections", type=int, default=0,
+                   help="client connections open at once (default: the open-file limit, raised to its hard limit, "
+                        "less a reserve); past it a new connection closes the one waiting longest for its request")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -75,6 +82,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     if untested_reason(args.sglang_version):
         raise SystemExit(f"--sglang-version {args.sglang_version}: {untested_reason(args.sglang_version)}; "
                          f"give one of {TESTED_RANGE}")
+    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
+    try:
+        limits.validate()
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).replace('_', '-')}") from None
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     server = EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
@@ -86,8 +98,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                             enable_memory_saver=args.enable_memory_saver,
                             enable_custom_logit_processor=args.enable_custom_logit_processor,
                             max_queued_requests=args.max_queued_requests,
-                            max_requests_per_body=args.max_requests_per_body)
+                            max_requests_per_body=args.max_requests_per_body, connection_limits=limits)
     logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
     # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
-    web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True,
-                handler_cancellation=True, shutdown_timeout=5.0)
+    serve(server.app(), args.host, args.port, limits, shutdown_timeout=5.0)
