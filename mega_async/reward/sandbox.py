@@ -357,8 +357,9 @@ def judge_and_report(job: dict, ids: Ids, plan) -> dict:
     rep_r, rep_w = os.pipe()
     tests_r, tests_w = os.pipe()
     code_r, code_w = os.pipe()
+    limits.update(plan.fork_limits())
     _spawn("judge", job, ids, [verdict_w, req_w, rep_r], tests_r, limits)
-    _spawn("worker", job, ids, [req_r, rep_w], code_r, {**limits, **plan.worker_limits()}, plan.join_worker)
+    _spawn("worker", job, ids, [req_r, rep_w], code_r, limits, plan.join_worker)
     for fd in (verdict_w, req_w, rep_r, tests_r, req_r, rep_w, code_r):
         os.close(fd)
     _write_all(tests_w, json.dumps({k: job.get(k) for k in ("tests", "timeout", "debug")}).encode())

@@ -7,8 +7,9 @@ Where this machine lets us make one, a cgroup per sandbox (v2, else v1), `mega-a
   S/solution    the worker and all it forks, memory.max = the limit less SUPERVISOR_RESERVE; one OOM kill there
                 ends the whole solution (memory.oom.group, and PID 1 kills what is left), so its tests fail
 v2: S goes under the nearest cgroup (ours or an ancestor) that has memory and pids in its subtree_control; v1: under
-our own cgroup of each of the memory, pids and cpu hierarchies. Elsewhere the worker may not fork or start a thread
-(RLIMIT_NPROC 1), so its address-space limit (RLIMIT_AS) is the solution's. The resource limits of every process
+our own cgroup of each of the memory, pids and cpu hierarchies. Elsewhere neither the worker nor the judge (it runs
+the dataset's tests, untrusted too) may fork or start a thread (RLIMIT_NPROC 1), so each one's address-space limit
+(RLIMIT_AS) bounds all it can take. The resource limits of every process
 (address space, CPU seconds, file size, open files) apply in both cases.
 """
 import os
@@ -245,7 +246,7 @@ class Plan:
                 f", {PIDS} processes, " + ("one CPU" if cpu else "CPU bounded by the timeout (no cpu controller)"))
 
     def fall_back(self, why: str) -> None:
-        """No cgroup after all (`why`): the worker may not fork (what was made is removed by `finish`)."""
+        """No cgroup after all (`why`): no fork in the sandbox (what was made is removed by `finish`)."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -288,8 +289,9 @@ class Plan:
         if "join" in self._fds:
             os.write(self._fds["join"], b"0")
 
-    def worker_limits(self) -> dict:
-        """Resource limits the worker gets on top of the common ones: without a cgroup, no fork and no thread."""
+    def fork_limits(self) -> dict:
+        """Resource limits the judge and the worker get on top of the common ones: without a cgroup, no fork and
+        no thread (the count is per uid, at least one: the process itself)."""
         return {} if self.mode.startswith("cgroup") else {"RLIMIT_NPROC": 1}
 
     def watch(self) -> None:
