@@ -22,11 +22,7 @@ def load_rows(path: str | Path, max_row_bytes: int = MAX_ROW_BYTES) -> list[dict
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from None
-        rows = pq.read_table(p).to_pylist()
-        for i, row in enumerate(rows):
-            if _size(row) > max_row_bytes:
-                raise ValueError(f"{p}: row {i}: {_too_big(max_row_bytes)}")
-        return rows
+        return check_row_sizes(pq.read_table(p).to_pylist(), str(p), max_row_bytes)
     rows = []
     with p.open("rb") as f:
         for n, raw in enumerate(iter(lambda: f.readline(max_row_bytes + 2), b""), 1):
@@ -34,6 +30,14 @@ def load_rows(path: str | Path, max_row_bytes: int = MAX_ROW_BYTES) -> list[dict
                 raise ValueError(f"{p}:{n}: {_too_big(max_row_bytes)}")
             if raw.strip():
                 rows.append(_parse(raw, f"{p}:{n}"))
+    return rows
+
+
+def check_row_sizes(rows: list[dict[str, Any]], where: str, max_row_bytes: int) -> list[dict[str, Any]]:
+    """Rows read whole (parquet, a hub dataset), each at most about `max_row_bytes` (ValueError naming the row)."""
+    for i, row in enumerate(rows):
+        if _size(row) > max_row_bytes:
+            raise ValueError(f"{where}: row {i}: {_too_big(max_row_bytes)}")
     return rows
 
 

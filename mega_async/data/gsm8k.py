@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from mega_async.data import MAX_ROW_BYTES, load_rows
+from mega_async.data import MAX_ROW_BYTES, check_row_sizes, load_rows
 
 logger = logging.getLogger("mega_async.data.gsm8k")
 
@@ -58,7 +58,7 @@ def _local(path: Path, split: str, max_row_bytes: int = MAX_ROW_BYTES) -> tuple[
     return _check(load_rows(p, max_row_bytes), str(p)), str(p)
 
 
-def _by_name(name: str, split: str) -> list[dict[str, Any]]:
+def _by_name(name: str, split: str, max_row_bytes: int = MAX_ROW_BYTES) -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError:
@@ -66,7 +66,7 @@ def _by_name(name: str, split: str) -> list[dict[str, Any]]:
                                 "`datasets` package (pip install datasets); or set data.path to a GSM8K .jsonl/.parquet "
                                 "file") from None
     ds = datasets.load_dataset(name, "main", split=split)
-    return _check([dict(r) for r in ds], f"{name}[{split}]")
+    return _check(check_row_sizes([dict(r) for r in ds], f"{name}[{split}]", max_row_bytes), f"{name}[{split}]")
 
 
 def load_gsm8k(path: Optional[str], split: str = "train", *, eval_path: Optional[str] = None,
@@ -82,7 +82,7 @@ def load_gsm8k(path: Optional[str], split: str = "train", *, eval_path: Optional
                                 "directory with train.jsonl")
     else:
         source = path or DATASET_NAME
-        rows = _by_name(source, split)
+        rows = _by_name(source, split, max_row_bytes)
     held: list[dict[str, Any]] = []
     if eval_size > 0:
         if eval_path is not None:
@@ -90,7 +90,7 @@ def load_gsm8k(path: Optional[str], split: str = "train", *, eval_path: Optional
         elif local and Path(path).is_dir() and _split_file(Path(path), eval_split) is not None:  # type: ignore[arg-type]
             held, _ = _local(Path(path), eval_split, max_row_bytes)  # type: ignore[arg-type]
         elif not local:
-            held = _by_name(source, eval_split)
+            held = _by_name(source, eval_split, max_row_bytes)
         else:  # one file: its tail is held out
             if len(rows) <= eval_size:
                 raise ValueError(f"data.eval_size={eval_size} holds out every one of the {len(rows)} rows of {source}; "
