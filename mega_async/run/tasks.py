@@ -42,6 +42,7 @@ def check_inputs(cfg: RunConfig) -> None:
     card = Path(cfg.model.path) / "config.json"
     if not card.is_file():
         raise ConfigError(f"model.path={cfg.model.path}: config.json not found; pass an HF-format model directory")
+    check_card_size(cfg)
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(cfg.model.path)
@@ -64,6 +65,25 @@ def check_inputs(cfg: RunConfig) -> None:
     if not items:
         raise ConfigError(f"data.path={cfg.data.path}: the dataset is empty")
     reward_for(cfg)
+
+
+def check_card_size(cfg: RunConfig) -> None:
+    """The model card's sizes, from its raw config.json, against this machine before anything reads it with
+    transformers (whose config classes build per-layer lists): the random init a card without weights gets here
+    (float32, available memory), and a trainer rank's share (model.dtype, this machine's memory at most)."""
+    import psutil
+
+    from mega_async.model_cards import ModelTooLarge, check_fits_memory, has_weights
+
+    s, where = cfg.allocation().train, f"model.path={cfg.model.path}"
+    try:
+        if not has_weights(cfg.model.path):
+            check_fits_memory(cfg.model.path, where, dtype_bytes=4, what="in float32 for its random init")
+        check_fits_memory(cfg.model.path, where, dtype_bytes={"float32": 4}.get(cfg.model.dtype, 2),
+                          dense_shards=s.tp * s.pp, expert_shards=s.ep * s.etp * s.pp,
+                          memory=psutil.virtual_memory().total, what=f"in {cfg.model.dtype} on each trainer rank")
+    except ModelTooLarge as e:
+        raise ConfigError(str(e)) from None
 
 
 def reward_for(cfg: RunConfig) -> Callable[..., float]:

@@ -101,6 +101,17 @@ def _build(bridge: Any) -> list[torch.nn.Module]:
     return models
 
 
+def _rank_memory() -> int:
+    """What one rank's model may take: its GPU's memory (Megatron builds the weights there), else its share of the
+    host's available memory (the node's ranks build at once)."""
+    from mega_async.model_cards import available_memory
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
+        return torch.cuda.get_device_properties(local).total_memory
+    return available_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = torch.float32,
                 load_weights: bool = False, layer_spec: str = "auto") -> list[torch.nn.Module]:
     """One module per virtual pipeline chunk of this rank.
@@ -112,8 +123,13 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     Megatron's local modules), local, or te.
     """
     from mega_async.bridge import HFBridge, _hf_config, load_hf_weights
+    from mega_async.model_cards import check_fits_memory
 
     strategy = as_strategy(allocation)
+    check_fits_memory(hf_dir_or_config, str(hf_dir_or_config) if isinstance(hf_dir_or_config, (str, os.PathLike))
+                      else "the model config", dtype_bytes=dtype.itemsize, dense_shards=strategy.tp * strategy.pp,
+                      expert_shards=strategy.ep * strategy.etp * strategy.pp, memory=_rank_memory(),
+                      what=f"in {str(dtype)[6:]} on this rank")
     hf_config = _hf_config(hf_dir_or_config)
     validate_for_model(strategy, hf_config)
     init_parallel_state(strategy)

@@ -139,10 +139,14 @@ def read_safetensors_dir(path: str | Path, root: Optional[str | Path] = None) ->
 def load_pretrained(path: str | Path, dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     """transformers' model of an HF directory. An FP8 block checkpoint (DeepSeek-V3's format) is built from its
     config in `dtype` and loaded dequantized on the CPU (transformers' own FP8 path needs a GPU); its block is
-    then the model's `fp8_block`, what later updates must be in too (`updates_dequantized`)."""
+    then the model's `fp8_block`, what later updates must be in too (`updates_dequantized`). A card asking for more
+    memory than the host has (the model is built there first) is refused before anything is allocated."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from mega_async.bridge import fp8
+    from mega_async.model_cards import check_fits_memory
+
+    check_fits_memory(path, f"--model {path}", dtype_bytes=dtype.itemsize, what=f"in {str(dtype)[6:]}")
 
     block = fp8.dir_block(path)
     if block is None:
