@@ -75,7 +75,10 @@ def check_card_size(cfg: RunConfig) -> None:
 
     from mega_async.model_cards import ModelTooLarge, check_fits_memory, has_weights
 
-    s, where = cfg.allocation().train, f"model.path={cfg.model.path}"
+    from mega_async.allocation import ParallelStrategy
+
+    trainer, where = cfg.allocation().trainer, f"model.path={cfg.model.path}"
+    s = trainer.strategy if trainer is not None else ParallelStrategy()
     try:
         if not has_weights(cfg.model.path):
             check_fits_memory(cfg.model.path, where, dtype_bytes=4, what="in float32 for its random init")
