@@ -46,7 +46,8 @@ setup(
         # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run; pydantic: the reference the
         # embedded server's lax coercions are held to (its integer-size rule changed in 2.14)
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
-                 "pyarrow>=14", "py-spy>=0.3.14", "pydantic>=2.14,<3"],
+                 "pyarrow>=14", "py-spy>=0.3.14", "pydantic>=2.14,<3",
+                 "scipy>=1.11"],  # scipy: the reference the paper benchmark's t quantiles are held to
         "agent": ["openai>=1.40"],  # agents of AgentWorkflow (mega_async.rollout.agent) use the openai client
     },
     entry_points={"console_scripts": ["mega-async=mega_async.cli:main"]},
