@@ -62,6 +62,36 @@ class FatalServerError(ServerError, FatalEngineError):
     """A server's answer that no retry can change: 401/403, or a request longer than the model's context."""
 
 
+class ServerTimeout(TimeoutError):
+    """A server gave no answer to one call within its timeout. Its message names the server, the route and the
+    limit (asyncio's and aiohttp's own timeouts say nothing: `TimeoutError: ` with an empty message)."""
+
+    def __init__(self, address: str, path: str, seconds: float):
+        super().__init__(f"{address}{path} gave no answer within {seconds:g}s")
+        self.address, self.path, self.seconds = address, path, seconds
+
+    def __reduce__(self) -> tuple:  # picklable (its arguments are not its message)
+        return type(self), (self.address, self.path, self.seconds)
+
+
+class ServerHung(ConnectionError):
+    """A /generate cut short because its server was found hung (it gave no answer to another call within its
+    timeout): the request goes to another server at once, as it would from a dead one, instead of waiting out
+    `request_timeout` for an answer that is not coming."""
+
+
+def _why(e: BaseException) -> str:
+    """One failed call, for a line that already names the server: a timeout says how long it waited."""
+    if isinstance(e, ServerTimeout):
+        return f"no answer within {e.seconds:g}s"
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
+def _failed(s: "_Server", path: str, e: BaseException) -> str:
+    """'<server><path> failed: <why>' for an error raised to the caller."""
+    return str(e) if isinstance(e, ServerTimeout) else f"{s.address}{path} failed: {_why(e)}"
+
+
 def _error_message(body: Any) -> str:
     """The message of an SGLang / OpenAI-style error body ({"error": {"message"}}, {"message"}, {"detail"} or text)."""
     if isinstance(body, dict):
@@ -98,6 +128,13 @@ class _Server:
     behind: bool = False  # answers /health but not at the synced weight version: kept out of generation
     recovering: bool = False  # the run's recover hook is bringing it to the current weights
     rejoin: bool = False  # came back (a new process, or missed a sync): the weight-update group must be rebuilt
+    # gave no answer (a timeout, a refused connection) and has not answered since: the calls that only clean up after
+    # a failed sync (rollback, session close, group teardown, continue) skip it instead of waiting for it again
+    silent: bool = False
+    paused: bool = False  # we sent it /pause_generation and it has not answered a /continue_generation since
+    # its /generate requests on the wire, as (event loop, task), cut short when it is found silent; those cut
+    generating: set = field(default_factory=set)
+    cut: set = field(default_factory=set)
     returning_until: float = 0.0  # restarted by the run: requests wait for it until then (monotonic)
 
 
@@ -292,6 +329,7 @@ class SGLangClient:
             raise ValueError(f"max_connections must be at least 1, got {max_connections}")
         self._connections = min(budget, max_connections) if max_connections else budget
         self._emfile_warned = 0.0
+        self._cut_lock = threading.Lock()  # guards every server's `generating` and `cut` (touched from two threads)
         self._rebuild_load()
 
     @staticmethod
@@ -366,14 +404,19 @@ class SGLangClient:
         if url is None:  # parsed once per server and path (yarl's parse costs ~10 us a call)
             url = self._urls[(server.address, path)] = URL(server.address + path)
         try:
-            return await self._send(session, method, url, kw)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
-            # the connection broke before any answer: most often a kept-alive one the server closed while idle
-            # (its keep-alive ran out while this loop was busy), which the request never reached; so it goes once
-            # more, as aiohttp does for idempotent methods. A dead server refuses the new connection (raised).
-            if not resend or not _broken(e):
+            try:
+                return await self._send(session, method, url, kw)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # the connection broke before any answer: most often a kept-alive one the server closed while idle
+                # (its keep-alive ran out while this loop was busy), which the request never reached; so it goes
+                # once more, as aiohttp does for idempotent methods. A dead server refuses the new connection.
+                if not resend or not _broken(e):
+                    raise
+                return await self._send(session, method, url, kw)
+        except asyncio.TimeoutError as e:  # aiohttp's says nothing of whom it waited for (often an empty message)
+            if isinstance(e, ServerTimeout):
                 raise
-            return await self._send(session, method, url, kw)
+            raise ServerTimeout(server.address, path, limit) from e
 
     @staticmethod
     async def _send(session: aiohttp.ClientSession, method: str, url: URL, kw: dict) -> tuple[int, Any]:
@@ -424,6 +467,7 @@ class SGLangClient:
         if status != 200:
             s.behind = False  # a behind server that went down again is down: no sync target until it answers
             return False
+        s.silent = False
         if not s.healthy and s.dropped is None:
             await self._readmit(s)
         return s.healthy
@@ -433,7 +477,17 @@ class SGLangClient:
         process has its launch weights and one that was down during a sync missed it. Behind, it is kept out
         (it still gets every weight sync) and the `recover` hook, if set, brings it up to date; a later probe
         admits it. Before this client's first sync every server has its launch weights: admitted on any answer.
-        One whose /health answers while its other calls fail (5xx) stays out and is probed again later."""
+        One whose /health answers while its other calls fail (5xx) stays out and is probed again later. One that a
+        sync paused and lost (it hung, or went down, in the bracket) is continued first: the sync's own
+        /continue_generation skipped it, and a stopped process that resumes runs the /pause_generation it had."""
+        if s.paused and self._unpaused.is_set():  # (while paused, the bracket's own continue comes)
+            try:
+                status, _ = await self._request("POST", s, "/continue_generation", {}, timeout=5.0)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return
+            if status != 200:
+                return
+            s.paused = False
         try:
             status, info = await self._request("GET", s, "/model_info", timeout=5.0)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
@@ -480,7 +534,7 @@ class SGLangClient:
             try:
                 status, info = await self._request("GET", s, "/model_info", timeout=timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self._mark_unhealthy(s, f"/model_info: {type(e).__name__}: {e}")
+                self._mark_unhealthy(s, f"/model_info: {_why(e)}", silent=True)
                 found.append(s.address)
                 return
             have = info.get("weight_version") if status == 200 and isinstance(info, dict) else None
@@ -574,15 +628,49 @@ class SGLangClient:
         after = f" for {waited:.0f}s" if waited is not None else ""
         return NoHealthyServerError(f"no usable inference server{after} ({why}); check the servers' logs")
 
-    def _mark_unhealthy(self, s: _Server, why: str) -> None:
+    def _mark_unhealthy(self, s: _Server, why: str, silent: bool = False) -> None:
+        """s is out of generation (and of the next sync) until it answers again; `silent`: it gave no answer at
+        all (timeout, connection refused or broken), so clean-up calls skip it (see `answering`)."""
         if s.healthy or s.behind:
             logger.warning("server %s marked unhealthy: %s", s.address, why)
         s.healthy = False
         s.down = why
+        s.silent = s.silent or silent
+        if silent:
+            self._cut_generation(s)
         s.behind = False  # failing, not just behind: no sync target until it answers again (then behind, if so)
         s.last_probe = time.monotonic()
         if s.dropped is None:
             self._suspects.add(self._index.get(id(s), -1))
+
+    def _cut_generation(self, s: _Server) -> None:
+        """s gave no answer: its /generate requests on the wire (from any thread's loop) end now with ServerHung
+        and go to another server with their tokens so far, as from a dead server (whose connections reset)."""
+        with self._cut_lock:
+            entries = list(s.generating)
+            s.cut.update(task for _, task in entries)
+        for loop, task in entries:
+            with contextlib.suppress(RuntimeError):  # that loop has ended
+                loop.call_soon_threadsafe(task.cancel)
+
+    async def _cuttable(self, s: _Server, coro: Any) -> tuple[int, Any]:
+        """Await a /generate on s as a task `_cut_generation` may cut short (then ServerHung)."""
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(coro)
+        entry = (loop, task)
+        with self._cut_lock:
+            s.generating.add(entry)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task in s.cut and not (me is not None and me.cancelling()):  # cut, not cancelled from outside
+                raise ServerHung(f"{s.address}/generate cut short: the server gave no answer ({s.down})") from None
+            raise
+        finally:
+            with self._cut_lock:
+                s.generating.discard(entry)
+                s.cut.discard(task)
 
     async def _choose(self, rid: Optional[str]) -> _Server:
         """The request's sticky server, else the least loaded healthy one. Servers this client marked unhealthy
@@ -648,7 +736,8 @@ class SGLangClient:
                 self._count(s, 1)
                 try:
                     payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
-                    status, body = await self._request("POST", s, "/generate", payload, resend=False)
+                    status, body = await self._cuttable(s, self._request("POST", s, "/generate", payload,
+                                                                         resend=False))
                 except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
                     error = e
                 finally:
@@ -666,7 +755,8 @@ class SGLangClient:
                 if _broken(e) and not resent:  # most often a kept-alive connection the server had closed: the
                     resent = True  # same server again at once (a dead one refuses the new connection)
                     continue
-                self._mark_unhealthy(s, f"{type(e).__name__}: {e}")
+                if not isinstance(e, ServerHung):  # (cut short: marked already, with the reason)
+                    self._mark_unhealthy(s, _why(e), silent=True)
                 self._sticky.pop(rid, None)
                 await asyncio.sleep(self.retry_backoff * min(attempt, 10))
                 continue
@@ -831,9 +921,9 @@ class SGLangClient:
             try:
                 status, out = await self._request("POST", s, path, bodies[i] if bodies else body, timeout=timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
+                self._mark_unhealthy(s, f"{path}: {_why(e)}", silent=True)
                 if check:
-                    raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+                    raise ServerError(_failed(s, path, e)) from e
                 return None
             if status >= 500:  # failing inside: out of generation and of the next sync until it answers again
                 self._mark_unhealthy(s, f"{path} answered {status}: {_error_message(out)[:200]}")
@@ -850,8 +940,12 @@ class SGLangClient:
     async def pause_generation(self, mode: str = "abort", timeout: Optional[float] = None) -> None:
         """SGLang's modes: abort (in-flight requests return their partial output; we resubmit them), retract
         (they go back to the server's queue and are prefilled again under the new weights) or in_place (they
-        keep their place and their KV cache)."""
-        await self._post_all("/pause_generation", {"mode": mode}, only_healthy=True, timeout=timeout)
+        keep their place and their KV cache). A server is marked paused before the call (one that times out may
+        still pause) until a /continue_generation answers."""
+        targets = [s for s in self.servers if s.healthy]
+        for s in targets:
+            s.paused = True
+        await self._post_all("/pause_generation", {"mode": mode}, timeout=timeout, servers=targets)
 
     async def wait_idle(self, timeout: float) -> None:
         """Until no request of this client is in flight (rollout.interrupt=none: generation finishes before the
@@ -863,9 +957,24 @@ class SGLangClient:
                                   "waits for them before pausing; raise trainer.sync_timeout)")
             await asyncio.sleep(0.01)
 
-    async def continue_generation(self) -> None:
-        """Never raises for a dead server: the others must not be left paused."""
-        await self._post_all("/continue_generation", {}, check=False)
+    async def continue_generation(self, timeout: Optional[float] = None) -> None:
+        """Never raises for a dead server: the others must not be left paused. A server that gave no answer since
+        it was last heard from is skipped (waiting for it again would only delay the others); it is continued
+        when it answers again, before it is re-admitted (`_readmit`)."""
+        targets = self.answering(self.servers)
+        replies = await self._post_all("/continue_generation", {}, check=False, timeout=timeout, servers=targets)
+        for s, r in zip(targets, replies):
+            if r is not None and not s.silent:
+                s.paused = False
+
+    def answering(self, servers: Sequence[_Server]) -> list[_Server]:
+        """`servers` without those that gave no answer (timeout, refused connection) since they last answered."""
+        return [s for s in servers if not s.silent]
+
+    @property
+    def silent(self) -> list[str]:
+        """Servers that gave no answer (timeout, refused connection) since they last answered."""
+        return [s.address for s in self.servers if s.silent]
 
     def _named(self, addresses: Sequence[str]) -> list[_Server]:
         by = {s.address: s for s in self.servers}
@@ -875,8 +984,8 @@ class SGLangClient:
             raise ValueError(f"{e.args[0]} is not one of this client's servers") from None
 
     async def update_weights_from_disk(self, path: str, version: int | str, check: bool = True,
-                                       flush_cache: bool = True,
-                                       addresses: Optional[Sequence[str]] = None) -> list[Any]:
+                                       flush_cache: bool = True, addresses: Optional[Sequence[str]] = None,
+                                       timeout: Optional[float] = None) -> list[Any]:
         """The sync's servers (`sync_targets`), or those at `addresses`, load the HF directory `path`.
         `check=False`: never raises; failed servers' replies are returned as they came (None for an unreachable
         one), in the order of the servers. `flush_cache=False` with in-place pauses: SGLang 0.5.21+ fails an
@@ -884,7 +993,7 @@ class SGLangClient:
         targets = self._named(addresses) if addresses is not None else self.sync_targets()
         return await self._post_all("/update_weights_from_disk", {"model_path": str(path), "weight_version":
                                                                   str(version), "flush_cache": flush_cache},
-                                    check=check, servers=targets)
+                                    check=check, servers=targets, timeout=timeout)
 
     def synced(self, version: int | str) -> None:
         """A weight sync to `version` succeeded on every server it targeted (the sync calls this after its
@@ -946,7 +1055,7 @@ class SGLangClient:
                 status, out = await self._request("POST", s, "/update_weights_from_distributed", body,
                                                   timeout=timeout)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                self._mark_unhealthy(s, f"commit: {type(e).__name__}: {e}")
+                self._mark_unhealthy(s, f"commit: {_why(e)}", silent=True)
                 lost.append(s.address)
                 return None
             if status == 200 and not (isinstance(out, dict) and out.get("success") is False):
@@ -979,7 +1088,7 @@ class SGLangClient:
         try:
             status, info = await self._request("GET", s, "/model_info", timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            self._mark_unhealthy(s, f"/model_info: {type(e).__name__}: {e}")
+            self._mark_unhealthy(s, f"/model_info: {_why(e)}", silent=True)
             return True
         have = info.get("weight_version") if status == 200 and isinstance(info, dict) else None
         if str(have) == self._served:
@@ -1009,10 +1118,10 @@ class SGLangClient:
                     try:
                         status, out = await self._request("GET", s, path, timeout=timeout)
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                        self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
+                        self._mark_unhealthy(s, f"{path}: {_why(e)}", silent=True)
                         if down_ok:
                             return None
-                        raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+                        raise ServerError(_failed(s, path, e)) from e
                     if status == 200 and isinstance(out, dict):
                         version, embedded = out.get("version"), out.get("embedded_server") is not None
                         break
@@ -1066,9 +1175,11 @@ class SGLangClient:
 
     async def end_weight_update(self, check: bool = True, timeout: Optional[float] = None) -> None:
         """Close the sessions this client opened (POST /end_weight_update: SGLang finalizes the load here).
-        `check=False`: never raises (failure paths: every open session is closed, whatever else went wrong)."""
+        `check=False`: never raises (failure paths: every open session is closed, whatever else went wrong). A
+        server that gave no answer since it last answered is not asked (it is out of this sync; its session stays
+        marked open and its next /begin_weight_update closes and reopens it)."""
         async def one(s: _Server) -> Optional[str]:
-            if not s.session_open:
+            if not s.session_open or s.silent:  # one that gave no answer: its session is closed by the next begin
                 return None
             try:
                 status, out = await self._control(s, "/end_weight_update", {}, timeout)
@@ -1094,8 +1205,8 @@ class SGLangClient:
         try:
             status, out = await self._request(method, s, path, body, timeout=timeout)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            self._mark_unhealthy(s, f"{path}: {type(e).__name__}: {e}")
-            raise ServerError(f"{s.address}{path} failed: {type(e).__name__}: {e}") from e
+            self._mark_unhealthy(s, f"{path}: {_why(e)}", silent=True)
+            raise ServerError(_failed(s, path, e)) from e
         if status >= 500:
             self._mark_unhealthy(s, f"{path} answered {status}: {_error_message(out)[:200]}")
         return status, out
@@ -1112,24 +1223,28 @@ class SGLangClient:
         """Servers with a weight-update session this client opened and has not closed."""
         return [s.address for s in self.servers if s.session_open]
 
-    async def rollback_weights(self) -> list[Any]:
-        """Ask every server to drop the weight updates of the current pause (embedded servers restore the
-        weights and version they had at /pause_generation; real SGLang has no such endpoint and answers 404,
-        returned as None). Never raises."""
-        return await self._post_all("/rollback_weights", {}, check=False)
+    async def rollback_weights(self, timeout: Optional[float] = None,
+                               addresses: Optional[Sequence[str]] = None) -> list[Any]:
+        """Ask every server (`addresses`, default all) to drop the weight updates of the current pause (embedded
+        servers restore the weights and version they had at /pause_generation; real SGLang has no such endpoint
+        and answers 404). Never raises; the replies in the order of the servers, None for one that failed."""
+        targets = self._named(addresses) if addresses is not None else self.servers
+        return await self._post_all("/rollback_weights", {}, check=False, timeout=timeout, servers=targets)
 
-    async def generate_on(self, index: int, payload: dict) -> dict:
+    async def generate_on(self, index: int, payload: dict, timeout: Optional[float] = None) -> dict:
         """One raw /generate on server `index` (no retries, no resubmission): for probes and checks."""
-        status, out = await self._request("POST", self.servers[index], "/generate", payload)
+        status, out = await self._request("POST", self.servers[index], "/generate", payload, timeout=timeout)
         if status != 200:
             raise ServerError(f"{self.servers[index].address}/generate answered {status}: {out}")
         return out
 
-    async def destroy_weights_update_group(self, group_name: str) -> None:
-        """The group's members drop it (never raises: a dead member has lost it anyway)."""
+    async def destroy_weights_update_group(self, group_name: str, timeout: Optional[float] = None) -> None:
+        """The group's members drop it (never raises: a dead member has lost it anyway, and one that gave no
+        answer is not waited for again: back, it has a group nobody uses, replaced when it joins a new one)."""
         members, self._group = self._group, None
         await self._post_all("/destroy_weights_update_group", {"group_name": group_name}, check=False,
-                             servers=members)
+                             servers=self.answering(members if members is not None else self.servers),
+                             timeout=timeout)
 
     async def server_info(self, timeout: Optional[float] = None,
                           addresses: Optional[Sequence[str]] = None) -> list[dict]:
@@ -1143,9 +1258,10 @@ class SGLangClient:
         targets = self._named(addresses) if addresses is not None else self.servers
         return list(await asyncio.gather(*(one(s) for s in targets)))
 
-    async def model_info(self, addresses: Optional[Sequence[str]] = None) -> list[dict]:
+    async def model_info(self, addresses: Optional[Sequence[str]] = None,
+                         timeout: Optional[float] = None) -> list[dict]:
         async def one(s: _Server) -> dict:
-            status, out = await self._request("GET", s, "/model_info")
+            status, out = await self._control(s, "/model_info", None, timeout, method="GET")
             if status != 200:
                 raise ServerError(f"{s.address}/model_info answered {status}")
             return out

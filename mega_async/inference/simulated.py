@@ -62,7 +62,7 @@ class SimulatedEngine:
                 raise TimeoutError(f"{self.in_flight} requests still in flight after {timeout:g}s")
             await asyncio.sleep(0.001)
 
-    def continue_generation(self) -> None:
+    def continue_generation(self, timeout: Optional[float] = None) -> None:
         self._running.set()
 
     @property
@@ -102,7 +102,12 @@ class SimulatedEngine:
     def synced(self, version: Any) -> None:
         pass
 
-    async def rollback_weights(self) -> list:
+    async def rollback_weights(self, timeout: Optional[float] = None, addresses: Optional[list] = None) -> list:
+        return []
+
+    @property
+    def silent(self) -> list[str]:
+        """No server to go silent."""
         return []
 
     # ---- generation --------------------------------------------------------------------------

@@ -152,7 +152,11 @@ class AgentWorkflow(RolloutWorkflow):
             raise
         base_url = f"http://{self.host}:{sock.getsockname()[1]}/v1"
         try:
-            result = await asyncio.wait_for(self._run_agent(base_url, data), self.episode_timeout)
+            try:
+                result = await asyncio.wait_for(self._run_agent(base_url, data), self.episode_timeout)
+            except asyncio.TimeoutError as e:  # asyncio's own has an empty message
+                raise TimeoutError(f"agent episode at {base_url} did not finish within episode_timeout="
+                                   f"{self.episode_timeout:g}s") from e
         finally:
             await runner.cleanup()
         if session.error is not None:

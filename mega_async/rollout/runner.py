@@ -171,7 +171,14 @@ class AsyncTaskRunner:
                 fut.set_exception(e)
 
         self._loop.call_soon_threadsafe(run)  # type: ignore[union-attr]
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            if fut.done():  # fn's own timeout, or it finished just as the wait ran out
+                return fut.result()
+            name = getattr(fn, "__qualname__", repr(fn))
+            raise TimeoutError(f"the rollout loop did not run {name} within {timeout:g}s (the loop is busy or "
+                               "stuck; py-spy dump shows where)") from None
 
     @contextlib.contextmanager
     def parked(self, limit: float) -> Iterator[None]:

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from mega_async.events import NullEventLog
-from mega_async.trainer.sync.common import (INTERRUPT_MODES, HttpLoop, RolloutSide, SyncError, agree, from_rank0,
-                                             rank)
+from mega_async.trainer.sync.common import (INTERRUPT_MODES, SLACK_S, HttpLoop, RolloutSide, SyncError, agree,
+                                             from_rank0, rank)
 from mega_async.trainer.sync.verify import Verification
 from mega_async.types import WeightVersion
 
@@ -108,19 +108,17 @@ class WeightSync(Verification):
                 try:
                     try:
                         if self.interrupt == "none":  # the non-interruptible baseline: generation finishes first
-                            self._wait(r.client.wait_idle(self.timeout))
+                            self._wait(r.client.wait_idle(self.timeout), "waiting for the requests in flight")
                         mode = "abort" if self.interrupt == "none" else self.interrupt
-                        # the HTTP call carries the same timeout, so it cannot land after continue; the rollout
+                        # the HTTP call carries the sync's timeout, so it cannot land after continue; the rollout
                         # loop sleeps meanwhile, so digesting the aborted answers does not slow the pause calls
                         with self._rollout_parked(r):
-                            self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout))
+                            self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout), "pause")
                         self.events.emit("sync_end", phase="pause")
                         yield
                     finally:  # also when pausing failed half-way: no server stays paused
                         self.events.emit("sync_start", phase="continue")
-                        cont = r.client.continue_generation()
-                        if inspect.isawaitable(cont):
-                            self._loop.run(cont, 2 * self.timeout + 10)
+                        self._continue(r)
                         self.events.emit("sync_end", phase="continue")
                 finally:
                     r.client.resume()
@@ -128,6 +126,17 @@ class WeightSync(Verification):
                 if r.executor is not None:
                     r.executor.resume()
                     r.executor.wake()
+
+    def _continue(self, r: RolloutSide) -> None:
+        """The servers generate again. Never raises: it runs in `finally`, where an error would replace the sync's
+        own. A server that gave no answer in this sync is not waited for again (it is continued when it answers,
+        before it is re-admitted); one that times out now is logged by name."""
+        try:
+            cont = r.client.continue_generation(timeout=self.timeout)
+            if inspect.isawaitable(cont):
+                self._loop.run(cont, self.timeout + SLACK_S, "continue")
+        except Exception as e:  # noqa: BLE001
+            logger.warning("continuing the servers after the weight sync failed: %s: %s", type(e).__name__, e)
 
     def _rollout_parked(self, r: RolloutSide) -> Any:
         """The executor's rollout loop asleep (a bare client has no loop of its own to park)."""
@@ -144,7 +153,7 @@ class WeightSync(Verification):
         start = self.version.value
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             try:
-                return self._push_once()
+                return self._push_once(probe=attempt == 1)  # a retry does not wait on the server it just lost
             except SyncError as e:
                 if self.version.value != start or attempt == PUSH_ATTEMPTS:  # committed (a verify failed after
                     raise                                                     # it), or out of attempts
@@ -152,8 +161,8 @@ class WeightSync(Verification):
                 if not lost:
                     raise
                 if self.rollout is not None:
-                    logger.warning("weight sync failed while server(s) %s went down (%s); syncing again without "
-                                   "them (attempt %d of %d)", ", ".join(lost), str(e)[:300], attempt + 1,
+                    logger.warning("weight sync failed while server(s) %s went down or hung (%s); syncing again "
+                                   "without them (attempt %d of %d)", ", ".join(lost), str(e)[:600], attempt + 1,
                                    PUSH_ATTEMPTS)
         raise AssertionError("unreachable")
 
@@ -161,7 +170,7 @@ class WeightSync(Verification):
         client = self.rollout.client
         if probe:  # a server that came back since it was last tried joins this sync
             try:
-                self._loop.run(client.probe_down(), self.timeout + 10)
+                self._loop.run(client.probe_down(), self.timeout + SLACK_S, "probing the servers that were down")
             except Exception as e:  # noqa: BLE001 - it stays out of this sync
                 logger.warning("probing the servers that were down failed: %s: %s", type(e).__name__, e)
         return [s.address for s in client.sync_targets()]
@@ -170,7 +179,8 @@ class WeightSync(Verification):
         """Rank 0: servers of the failed push that are down now or lost their state (a restarted process)."""
         client = self.rollout.client
         try:
-            behind = set(self._loop.run(client.find_behind(), self.timeout + 10))
+            behind = set(self._loop.run(client.find_behind(self.timeout), self.timeout + SLACK_S,
+                                        "asking the servers for their weight versions"))
         except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
             logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
             behind = set()
@@ -182,14 +192,14 @@ class WeightSync(Verification):
     def _membership(self) -> None:
         """Before a push (every rank): the distributed sync rebuilds its group when the servers changed."""
 
-    def _push_once(self) -> dict[str, float]:
+    def _push_once(self, probe: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         target = self.version.value + 1
         if self.rollout is not None:
-            self._targets = self._targets_now(probe=True)
+            self._targets = self._targets_now(probe=probe)
         self._membership()
         with self.events.span("sync", phase="prepare", version=target):
-            errors = agree(self._guarded(self._prepare, target), self.group)  # before the pause (disk: export)
+            errors = agree(self._guarded(self._prepare, target, "prepare"), self.group)  # disk: export
         rolled = None
         with contextlib.ExitStack() as stack:
             if not errors:  # the same on every rank: they agreed
@@ -198,18 +208,19 @@ class WeightSync(Verification):
                     try:
                         stack.enter_context(self.pause_bracket())
                     except Exception as e:  # noqa: BLE001 - e.g. a dead server: the bracket has undone itself
-                        enter_error = f"pausing the servers: {type(e).__name__}: {e}"
+                        enter_error = f"pause: {type(e).__name__}: {e}"
                 errors = agree(enter_error, self.group)
             if not errors:
                 try:
-                    errors = agree(self._guarded(self._begin, target), self.group)  # sessions (SGLang 0.5.21+)
+                    # sessions (SGLang 0.5.21+)
+                    errors = agree(self._guarded(self._begin, target, "begin_weight_update"), self.group)
                     if not errors:
                         with self.events.span("sync", phase="update", version=target):
-                            errors = agree(self._guarded(self._update, target), self.group)
+                            errors = agree(self._guarded(self._update, target, "update"), self.group)
                     if not errors:
-                        errors = agree(self._guarded(self._commit, target), self.group)
+                        errors = agree(self._guarded(self._commit, target, "commit"), self.group)
                     if not errors:
-                        errors = agree(self._guarded(self._end, target), self.group)
+                        errors = agree(self._guarded(self._end, target, "end_weight_update"), self.group)
                 except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue
                     self._abort()
                     self._rollback()
@@ -234,19 +245,25 @@ class WeightSync(Verification):
         return dict(self.last)
 
     @staticmethod
-    def _guarded(fn: Callable[[int], Optional[str]], target: int) -> Optional[str]:
+    def _guarded(fn: Callable[[int], Optional[str]], target: int, phase: str) -> Optional[str]:
+        """fn's error (returned or raised) as '<phase>: <error>', or None."""
         try:
-            return fn(target)
+            error = fn(target)
         except Exception as e:  # noqa: BLE001 - becomes this rank's error in the agreement
-            return f"{type(e).__name__}: {e}"
+            error = f"{type(e).__name__}: {e}"
+        return f"{phase}: {error}" if error and not error.startswith(f"{phase}: ") else error
 
     def _commit(self, target: int) -> Optional[str]:
         """After every rank succeeded (distributed: the version is set on the servers only now)."""
         return None
 
-    def _wait(self, result: Any) -> Any:
-        """Wait for a client call: coroutines run on the HTTP thread (the simulator answers at once)."""
-        return self._loop.run(result, self.timeout) if inspect.isawaitable(result) else result
+    def _wait(self, result: Any, what: str) -> Any:
+        """Wait for a client call (named `what` if it does not finish): coroutines run on the HTTP thread, and the
+        wait allows SLACK_S beyond the sync's timeout, which the call's own HTTP requests carry (so their timeout,
+        which names the server, comes first). The simulator answers at once."""
+        if not inspect.isawaitable(result):
+            return result
+        return self._loop.run(result, self.timeout + SLACK_S, what)
 
     # ---- hooks -------------------------------------------------------------------------------
     def _prepare(self, target: int) -> None:
@@ -260,13 +277,21 @@ class WeightSync(Verification):
         """Ask the servers to drop this sync; returns what went wrong (None: every server rolled back)."""
         if self.rollout is None:
             return None
+        client = self.rollout.client
+        # the servers of this push that still answer: one that gave no answer is not waited for again (back, it is
+        # behind: this sync's version never reached it, and it gets every weight of the next sync before it serves)
+        silent = set(client.silent)
+        targets = [a for a in (self._targets or client.addresses) if a not in silent]
         try:  # a server may first finish a receive that is failing: allow it its own timeout too
-            replies = self._loop.run(self.rollout.client.rollback_weights(), 2 * self.timeout + 10)
+            replies = self._loop.run(client.rollback_weights(timeout=2 * self.timeout, addresses=targets),
+                                     2 * self.timeout + SLACK_S, "rollback")
         except Exception as e:  # noqa: BLE001 - the run stops anyway; continue_generation comes next
             logger.warning("rolling back the servers failed: %s: %s", type(e).__name__, e)
             return f"rolling back the servers failed ({type(e).__name__}: {e}): they may serve partial weights"
-        bad = [s for s, r in zip(self.rollout.client.addresses, replies)
-               if not (isinstance(r, dict) and r.get("success"))]
+        if gone := [a for a, r in zip(targets, replies) if r is None] + sorted(silent & set(self._targets)):
+            logger.warning("server(s) %s not rolled back (no answer): out until they answer again, then behind "
+                           "(they get every weight of the next sync before they serve)", ", ".join(gone))
+        bad = [s for s, r in zip(targets, replies) if r is not None and not (isinstance(r, dict) and r.get("success"))]
         for server in bad:
             logger.warning("server %s could not roll back this sync: it may serve partially updated weights "
                            "until the next successful sync or a reload", server)

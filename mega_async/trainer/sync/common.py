@@ -24,6 +24,28 @@ class SyncError(RuntimeError):
     """A weight sync failed; the servers keep their old weights and version."""
 
 
+# what a wait for the client's HTTP calls allows beyond their own timeout: those end first and name the server
+# that did not answer; the wait's own timeout (PhaseTimeout) is the backstop for a call with none of its own
+SLACK_S = 10.0
+
+
+class PhaseTimeout(TimeoutError):
+    """A phase of the sync (its HTTP calls, a broadcast) did not finish in time; the message names the phase."""
+
+
+def future_result(fut: concurrent.futures.Future, timeout: Optional[float], what: str) -> Any:
+    """`fut`'s result within `timeout` seconds, else PhaseTimeout naming `what` (the future is cancelled:
+    nothing is left running on the HTTP thread). Its own exceptions, timeouts included, pass through as they
+    are (concurrent.futures' own timeout has an empty message: `TimeoutError: `)."""
+    try:
+        return fut.result(timeout)
+    except concurrent.futures.TimeoutError:
+        if fut.done():  # its own timeout, or it finished just as the wait ran out
+            return fut.result()
+        fut.cancel()
+        raise PhaseTimeout(f"{what}: not done within {timeout:g}s") from None
+
+
 class HttpLoop:
     """A private event loop thread for the client's HTTP calls: the trainer gets futures, never asyncio.run."""
 
@@ -35,8 +57,9 @@ class HttpLoop:
     def submit(self, coro: Any) -> concurrent.futures.Future:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Any, timeout: Optional[float] = None) -> Any:
-        return self.submit(coro).result(timeout)
+    def run(self, coro: Any, timeout: Optional[float] = None, what: str = "an HTTP call of the weight sync") -> Any:
+        """Run `coro` on the loop thread; PhaseTimeout naming `what` after `timeout` seconds (see `future_result`)."""
+        return future_result(self.submit(coro), timeout, what)
 
     def close(self) -> None:
         if self._thread.is_alive():  # what lives on this loop (the client's HTTP session) is closed first

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mega_async.trainer.sync.bracket import WeightSync
-from mega_async.trainer.sync.common import RolloutSide, fp8_block_of, rank
+from mega_async.trainer.sync.common import SLACK_S, RolloutSide, fp8_block_of, rank
 from mega_async.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
@@ -32,7 +32,8 @@ class ReloadWeightSync(WeightSync):
         if self.rollout is None:
             return None
         try:
-            self._wait(self.rollout.client.update_weights_from_disk(self.path, target, flush_cache=self.flush_cache))
+            self._wait(self.rollout.client.update_weights_from_disk(self.path, target, flush_cache=self.flush_cache,
+                                                                    timeout=self.timeout), "/update_weights_from_disk")
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         return None
@@ -64,7 +65,8 @@ class DiskWeightSync(WeightSync):
         path = self.path(v)
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: the current version's weights are not on disk (pruned by a newer sync?)")
-        await self.rollout.client.update_weights_from_disk(str(path), v, addresses=[address], flush_cache=True)
+        await self.rollout.client.update_weights_from_disk(str(path), v, addresses=[address], flush_cache=True,
+                                                           timeout=self.timeout)
         logger.info("server %s loaded version %d from %s", address, v, path)
 
     def path(self, version: int) -> Path:
@@ -83,7 +85,9 @@ class DiskWeightSync(WeightSync):
         t0 = time.perf_counter()
         try:
             self._loop.run(self.rollout.client.update_weights_from_disk(str(self.path(target)), target,
-                                                                        flush_cache=self.flush_cache), self.timeout)
+                                                                        flush_cache=self.flush_cache,
+                                                                        timeout=self.timeout),
+                           self.timeout + SLACK_S, "/update_weights_from_disk")
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         self.last["load_s"] = time.perf_counter() - t0
@@ -109,11 +113,13 @@ class DiskWeightSync(WeightSync):
         if path is None:
             return super()._rollback()
         client = self.rollout.client
-        targets = self._targets or client.addresses
+        silent = set(client.silent)  # gave no answer in this sync: not waited for again (back, it loads the
+        targets = [a for a in self._targets or client.addresses if a not in silent]  # current version: _recover)
         try:
             replies = self._loop.run(client.update_weights_from_disk(str(path.resolve()), v, check=False,
-                                                                     flush_cache=self.flush_cache, addresses=targets),
-                                     2 * self.timeout + 10)
+                                                                     flush_cache=self.flush_cache, addresses=targets,
+                                                                     timeout=2 * self.timeout),
+                                     2 * self.timeout + SLACK_S, "reloading the current version (rollback)")
         except Exception as e:  # noqa: BLE001
             replies = [f"{type(e).__name__}: {e}"] * len(targets)
         bad = [a for a, r in zip(targets, replies) if not (isinstance(r, dict) and r.get("success"))]

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from mega_async.trainer.sync.bracket import WeightSync
-from mega_async.trainer.sync.common import RolloutSide, SyncError, agree, fp8_block_of, from_rank0, rank
+from mega_async.trainer.sync.common import (SLACK_S, PhaseTimeout, RolloutSide, SyncError, agree, fp8_block_of,
+                                             from_rank0, future_result, rank)
 from mega_async.trainer.sync.verify import aligned_order
 from mega_async.types import WeightVersion
 
@@ -90,7 +91,8 @@ class DistributedWeightSync(WeightSync):
                 self.client = self.rollout.client if self.rollout is not None else SGLangClient(
                     list(addresses), api_key=api_key, request_timeout=self.timeout)
                 if self.rollout is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
-                    releases = self._loop.run(self.client.learn_releases(self.timeout), self.timeout + 10)
+                    releases = self._loop.run(self.client.learn_releases(self.timeout), self.timeout + SLACK_S,
+                                              "asking the servers for their SGLang release")
                     logger.info("servers' SGLang releases: %s", ", ".join(
                         f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}" if r is not None else
                         f"{a} down (asked before its first update)" for a, r in zip(self.client.addresses, releases)))
@@ -181,7 +183,7 @@ class DistributedWeightSync(WeightSync):
         try:
             self.pg = init_custom_process_group(self.backend, f"tcp://{address}:{port}", world, 0, self.group_name,
                                                 timeout=datetime.timedelta(seconds=self.timeout))
-            fut.result(self.timeout)
+            future_result(fut, self.timeout + SLACK_S, f"the servers joining weight-update group {self.group_name}")
             logger.info("weight-update group %s: trainer + %d server ranks at %s:%d (%s)", self.group_name,
                         world - 1, address, port, self.backend)
         except Exception as e:  # noqa: BLE001
@@ -194,7 +196,8 @@ class DistributedWeightSync(WeightSync):
         servers that say so in /server_info take part (a real server would wait for a broadcast)."""
         unchecked = [a for a in addresses or self.client.addresses if a not in self._fleet_checked]
         if unchecked:  # once per server (a member the first time it joins): the same process kind after
-            infos = self._loop.run(self.client.server_info(self.timeout, addresses=unchecked), self.timeout + 10)
+            infos = self._loop.run(self.client.server_info(self.timeout, addresses=unchecked), self.timeout + SLACK_S,
+                                   "/server_info")
             real = [a for a, i in zip(unchecked, infos) if (i.get("fleet") or {}).get("data_plane") != "none"]
             if real:
                 raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} "
@@ -203,7 +206,7 @@ class DistributedWeightSync(WeightSync):
         self._loop.run(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
                                                              gpus_per_server=self.gpus_per_server,
                                                              timeout=self.timeout, addresses=addresses),
-                       self.timeout + 10)
+                       self.timeout + SLACK_S, "/init_weights_update_group")
         self.pg = NO_DATA_PLANE
 
     def _update(self, target: int) -> Optional[str]:
@@ -234,23 +237,27 @@ class DistributedWeightSync(WeightSync):
         return error
 
     def _stream(self, target: int, stats: dict, error: Optional[str]) -> Optional[str]:
+        """Each error names its bucket (`bucket <k> of stage <s>`) and, through the client, the server."""
         pending = None
-        for bucket in self.resharder.buckets():  # every rank of the stage drains it (collectives)
+        where = ""
+        for k, bucket in enumerate(self.resharder.buckets()):  # every rank of the stage drains it (collectives)
             if error is not None or self.pg is None:
                 continue  # keep draining so the stage's other ranks are not left in a gather
             try:
                 if pending is not None:
                     self._finish(pending, stats)
                     pending = None
+                where = f"bucket {k} of stage {self.resharder.pp_rank}"
                 pending = self._start(bucket if self.fp8_block is None else _fp8_bucket(bucket, self.fp8_block,
                                                                                          self.resharder), target, stats)
+                pending = (*pending, where)
             except Exception as e:  # noqa: BLE001
-                error, pending = f"{type(e).__name__}: {e}", None
+                error, pending = f"{pending[-1] if pending else where}: {type(e).__name__}: {e}", None
         if pending is not None and error is None:
             try:
                 self._finish(pending, stats)
             except Exception as e:  # noqa: BLE001
-                error = f"{type(e).__name__}: {e}"
+                error = f"{pending[-1]}: {type(e).__name__}: {e}"
         return error
 
     def _commit(self, target: int) -> Optional[str]:
@@ -260,7 +267,8 @@ class DistributedWeightSync(WeightSync):
         since the last bucket (down, or restarted) is left out instead of failing the others."""
         if self.rollout is not None and self.pg is not None:
             lost = self._loop.run(self.client.commit_distributed(self.group_name, target, flush_cache=self.flush_cache,
-                                                                 timeout=self.timeout), self.timeout + 10)
+                                                                 timeout=self.timeout), self.timeout + SLACK_S,
+                                  "commit")
             if lost:  # every bucket reached them before; they come back behind and are brought up to date
                 logger.warning("server(s) %s went down during the commit of version %d; the others serve it",
                                ", ".join(lost), target)
@@ -270,19 +278,22 @@ class DistributedWeightSync(WeightSync):
         """Rank 0 opens a weight-update session on every server whose release needs one (SGLang 0.5.21+:
         distributed updates outside one are refused), before any stage streams its first bucket."""
         if self.rollout is not None and self.pg is not None:
-            self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + 10)
+            self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + SLACK_S,
+                           "begin_weight_update")
         return None
 
     def _end(self, target: int) -> Optional[str]:
         if self.rollout is not None and self.client is not None:
-            self._loop.run(self.client.end_weight_update(timeout=self.timeout), self.timeout + 10)
+            self._loop.run(self.client.end_weight_update(timeout=self.timeout), self.timeout + SLACK_S,
+                           "end_weight_update")
         return None
 
     def _end_quietly(self) -> None:
         if self.rollout is None or self.client is None:
             return
         try:
-            self._loop.run(self.client.end_weight_update(check=False, timeout=self.timeout), self.timeout + 10)
+            self._loop.run(self.client.end_weight_update(check=False, timeout=self.timeout), self.timeout + SLACK_S,
+                           "closing the weight-update sessions")
         except Exception as e:  # noqa: BLE001 - the sync has failed already; this must not hide why
             logger.warning("closing the servers' weight-update sessions failed: %s: %s", type(e).__name__, e)
         if self.client.sessions_open:
@@ -317,18 +328,25 @@ class DistributedWeightSync(WeightSync):
 
         A server that refuses the bucket (400) answers without joining the broadcast, which then cannot
         complete: its refusal ends the wait at once (the broadcast is abandoned, the group dropped by the
-        failure path), instead of after `trainer.sync_timeout`."""
-        works, fut, payload = pending  # the payload must live until the broadcast is done
+        failure path), instead of after `trainer.sync_timeout`. A server that hangs gives no reply within
+        `trainer.sync_timeout` (the POST's own timeout): that ends the wait too, naming it."""
+        works, fut, payload = pending[:3]  # the payload must live until the broadcast is done
         t0 = time.perf_counter()
-        deadline, nap = t0 + self.timeout, 2e-4
+        nap = 2e-4
         while not all(w.is_completed() for w in works):
             if fut.done() and not fut.cancelled() and fut.exception() is not None:
                 self._abandoned.append((works, payload, self.pg))  # gloo may still be sending from these
                 raise SyncError(f"{fut.exception()} (the bucket's broadcast was abandoned)")
-            if time.perf_counter() > deadline:
+            # while replies are due, the POST's own timeout (which names the server) comes first
+            answered = fut.done()
+            if time.perf_counter() > t0 + self.timeout + (0.0 if answered else SLACK_S):
                 fut.cancel()
                 self._abandoned.append((works, payload, self.pg))
-                raise SyncError(f"a bucket's broadcast did not complete within trainer.sync_timeout={self.timeout:g}s")
+                members = ", ".join(self.client.group_members)
+                raise PhaseTimeout(f"the broadcast did not complete within trainer.sync_timeout={self.timeout:g}s "
+                                   f"although {members} answered" if answered else
+                                   f"neither the broadcast nor the replies of {members} finished within "
+                                   f"{self.timeout + SLACK_S:g}s (trainer.sync_timeout={self.timeout:g})")
             concurrent.futures.wait([fut], timeout=nap)  # wakes at once when a reply arrives
             nap = min(2 * nap, 5e-3)
         try:
@@ -343,7 +361,7 @@ class DistributedWeightSync(WeightSync):
                 raise SyncError(f"{http} (broadcast: {type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
             raise
         t1 = time.perf_counter()
-        fut.result(self.timeout)
+        future_result(fut, self.timeout + SLACK_S, "the servers' replies to /update_weights_from_distributed")
         stats["broadcast_s"] += t1 - t0
         stats["server_s"] += time.perf_counter() - t1
 
@@ -365,7 +383,8 @@ class DistributedWeightSync(WeightSync):
         self._abort()
         if had and self.client is not None:
             with contextlib.suppress(Exception):
-                self._loop.run(self.client.destroy_weights_update_group(self.group_name), 2 * self.timeout + 10)
+                self._loop.run(self.client.destroy_weights_update_group(self.group_name, timeout=self.timeout),
+                               self.timeout + SLACK_S, "/destroy_weights_update_group")
             self._group_on_servers = False
 
     def close(self) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mega_async.trainer.sync.common import SyncError, from_rank0, rank
+from mega_async.trainer.sync.common import SLACK_S, SyncError, from_rank0, rank
 
 logger = logging.getLogger("mega_async.trainer.sync")
 
@@ -45,7 +45,8 @@ class Verification:
             return "checksum"  # FP8 servers' logprobs differ from the trainer's by the quantization itself
         client = self.rollout.client
         try:
-            releases = self._loop.run(client.learn_releases(self.timeout), self.timeout + 10)
+            releases = self._loop.run(client.learn_releases(self.timeout), self.timeout + SLACK_S,
+                                      "asking the servers for their SGLang release")
         except Exception:  # noqa: BLE001 - the probe reports an unreachable server itself
             return "probe"
         return "probe" if all(r.embedded for r in releases if r is not None) else "checksum"
@@ -57,8 +58,10 @@ class Verification:
         if addresses == []:
             return "no server of this sync is up to be verified"
         try:
-            replies = self._loop.run(client.weights_checksums(self.timeout, addresses), self.timeout + 10)
-            infos = self._loop.run(client.model_info(addresses), self.timeout + 10)
+            replies = self._loop.run(client.weights_checksums(self.timeout, addresses), self.timeout + SLACK_S,
+                                     "/weights_checker")
+            infos = self._loop.run(client.model_info(addresses, timeout=self.timeout), self.timeout + SLACK_S,
+                                   "/model_info")
         except Exception as e:  # noqa: BLE001
             return f"/weights_checker failed: {type(e).__name__}: {e}"
         layouts: dict[str, list[tuple[str, str]]] = {}
@@ -93,10 +96,11 @@ class Verification:
             index = [i for i, a in enumerate(client.addresses) if a in chosen]
 
             async def all_servers() -> list:
-                return list(await asyncio.gather(*(client.generate_on(i, payload) for i in index)))
+                return list(await asyncio.gather(*(client.generate_on(i, payload, timeout=self.timeout)
+                                                   for i in index)))
 
             try:
-                outs = self._loop.run(all_servers(), self.timeout)
+                outs = self._loop.run(all_servers(), self.timeout + SLACK_S, "the verification probe")
                 probes = [(prompt, o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]],
                            o["meta_info"].get("weight_version")) for o in outs]
             except Exception as e:  # noqa: BLE001
