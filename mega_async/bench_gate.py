@@ -9,9 +9,12 @@ and the result lost is a regression too. Also: the history file (one line per ru
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from mega_async.diskspace import append_line, read_jsonl
 
 SCHEMA = 1
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,9 +136,12 @@ def append_history(result: dict[str, Any], history_dir: Path) -> Path:
             "scenarios": {n: {f: s["median"] for f, s in scn["figures"].items()} for n, scn in result["scenarios"].items()},
             "gated": sorted({f for scn in result["scenarios"].values() for f in scn.get("rules", {})})}
     path = history_dir / "history.jsonl"
-    with path.open("a") as f:
-        f.write(json.dumps(line) + "\n")
-    return plot_history([json.loads(x) for x in path.read_text().splitlines() if x.strip()], history_dir / "history.png")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:  # whole or not at all (a full disk names the file and leaves no torn line); a torn last line is skipped
+        append_line(fd, (json.dumps(line) + "\n").encode(), path)
+    finally:
+        os.close(fd)
+    return plot_history(read_jsonl(path), history_dir / "history.png")
 
 
 def plot_history(rows: list[dict[str, Any]], out: Path) -> Path:

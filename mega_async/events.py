@@ -6,7 +6,8 @@ Each line is {"t": unix seconds, "kind": ..., **fields}. Kinds written by the ru
   sync_start / sync_end (phase: push = the whole sync; prepare | pause | update | commit | continue)  sync
   train_step_start / train_step_end (step, rank)                                trainer ranks
 An `EventLog` is a handle passed to whoever emits (no module-level log); every rank may append to the
-same file: each event is one O_APPEND write, so lines never interleave.
+same file: each event is one O_APPEND write, so lines never interleave, and a write a full disk cuts short is
+taken back (`mega_async.diskspace.append_line`), so the file never ends in a torn line.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
+
+from mega_async.diskspace import append_line
 
 logger = logging.getLogger("mega_async.events")
 
@@ -33,7 +36,8 @@ class EventLog:
         self._lock = threading.Lock()
 
     def emit(self, kind: str, **fields: Any) -> None:
-        """Append one event now; never raises (a full disk must not stop a run: it is logged once)."""
+        """Append one event now, whole or not at all; never raises (a full disk must not stop a run: it is logged
+        once, naming the file, and no more events are recorded)."""
         line = json.dumps({"t": round(time.time(), 6), "kind": kind, **self.common, **fields}, default=str) + "\n"
         with self._lock:
             if self._closed:
@@ -42,9 +46,9 @@ class EventLog:
                 if self._fd is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-                os.write(self._fd, line.encode())
+                append_line(self._fd, line.encode(), self.path)
             except OSError as e:
-                logger.warning("event log %s not writable (%s): no more events are recorded", self.path, e)
+                logger.warning("event log not writable: %s; no more events are recorded", e)
                 self._close()
 
     @contextlib.contextmanager

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from mega_async.diskspace import append_line, read_jsonl
+
 
 def episode_summary(result: Optional[dict]) -> dict[str, Any]:
     """Head version, per-token version range and mean reward of a trajectory dict (empty when None)."""
@@ -34,7 +36,7 @@ class Ledger:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._f = self.path.open("ab")
+        self._fd: Optional[int] = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, tag: Optional[dict], verdict: str, head: Optional[int], result: Optional[dict] = None,
               step: Optional[int] = None, error: Optional[str] = None) -> None:
@@ -42,18 +44,18 @@ class Ledger:
         if error:
             line["error"] = error[:300]
         data = (json.dumps(line) + "\n").encode()
-        with self._lock:
-            self._f.write(data)
-            self._f.flush()  # a kill -9 loses nothing that was written
+        with self._lock:  # unbuffered: a kill -9 loses nothing that was written; whole lines only (a full disk
+            append_line(self._fd, data, self.path)  # raises DiskFull naming the file, and leaves no torn line)
 
     def size(self) -> int:
         with self._lock:
-            self._f.flush()
-            return self._f.tell()
+            return os.fstat(self._fd).st_size if self._fd is not None else self.path.stat().st_size
 
     def close(self) -> None:
         with self._lock:
-            self._f.close()
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
 
     @staticmethod
     def truncate(path: str | os.PathLike, size: int) -> None:
@@ -65,7 +67,8 @@ class Ledger:
 
 
 def read_ledger(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The ledger's lines (a torn last line, from a kill mid-write, is skipped)."""
     p = Path(path)
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return read_jsonl(p)

@@ -6,11 +6,14 @@ run refused for bad input leaves no directory behind; records until then are kep
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
+
+from mega_async.diskspace import append_line
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 OWN = "mega_async"
@@ -30,35 +33,47 @@ class OwnOrSevere(logging.Filter):
 
 
 class RunDirFileHandler(logging.Handler):
-    """Everything to `<run_dir>/<name>`, buffered in memory until the run directory exists."""
+    """Everything to `<run_dir>/<name>`, buffered in memory until the run directory exists. Each record goes out
+    whole or not at all; when the file cannot be written (a full disk) one line on stderr names it and why, and
+    the run goes on logging to the console only."""
 
     def __init__(self, run_dir: str | Path, name: str = "train.log", max_buffered: int = 10000):
         super().__init__(logging.DEBUG)
         self.path = Path(run_dir) / name
         self._buffer: list[logging.LogRecord] = []
         self._max = max_buffered
-        self._file: Optional[Any] = None
+        self._fd: Optional[int] = None
+        self._broken = False
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self._broken:
+            return
         try:
-            if self._file is None and self.path.parent.is_dir():
-                self._file = self.path.open("a", encoding="utf-8")
+            if self._fd is None and self.path.parent.is_dir():
+                self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 for r in self._buffer:
-                    self._file.write(self.format(r) + "\n")
+                    self._write(r)
                 self._buffer.clear()
-            if self._file is None:
+            if self._fd is None:
                 if len(self._buffer) < self._max:
                     self._buffer.append(record)
                 return
-            self._file.write(self.format(record) + "\n")
-            self._file.flush()
-        except Exception:  # noqa: BLE001 - logging never stops a run
+            self._write(record)
+        except OSError as e:  # logging never stops a run; a file it cannot write is named once, not per record
+            self._broken = True
+            self._buffer.clear()
+            with contextlib.suppress(Exception):
+                sys.stderr.write(f"mega-async: cannot write the log file: {e}; logging to the console only\n")
+        except Exception:  # noqa: BLE001
             self.handleError(record)
 
+    def _write(self, record: logging.LogRecord) -> None:
+        append_line(self._fd, (self.format(record) + "\n").encode("utf-8", "replace"), self.path)
+
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._buffer.clear()
         super().close()
 

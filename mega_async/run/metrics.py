@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from mega_async.diskspace import append_line
 
 logger = logging.getLogger("mega_async.run.metrics")
 
@@ -58,19 +61,21 @@ def gpu_stats() -> dict[str, float]:
 
 class Metrics:
     """Writes `<run_dir>/metrics.jsonl` (and TensorBoard under `<run_dir>/tensorboard`) on the rank that
-    owns it; other ranks get a Metrics with `enabled=False` that writes nothing."""
+    owns it; other ranks get a Metrics with `enabled=False` that writes nothing. Each step's line goes out whole
+    or not at all: a full disk raises DiskFull naming the file, which never ends in a torn line."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, enabled: bool = True, purge_step: Optional[int] = None):
         self.enabled = enabled
         self.history: list[dict[str, Any]] = []
         self.t0 = time.monotonic()
-        self._file = None
+        self._fd: Optional[int] = None
         self._tb = None
         if not enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._file = (run_dir / "metrics.jsonl").open("a")
+        self.path = run_dir / "metrics.jsonl"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -82,8 +87,7 @@ class Metrics:
         if not self.enabled:
             return stat
         self.history.append(stat)
-        self._file.write(json.dumps(stat) + "\n")
-        self._file.flush()
+        append_line(self._fd, (json.dumps(stat) + "\n").encode(), self.path)
         if self._tb is not None:
             for k, v in stat.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -92,15 +96,14 @@ class Metrics:
 
     def size(self) -> int:
         """Bytes of metrics.jsonl written so far (a checkpoint records it; a resume truncates back to it)."""
-        if self._file is None:
+        if self._fd is None:
             return 0
-        self._file.flush()
-        return self._file.tell()
+        return os.fstat(self._fd).st_size
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         if self._tb is not None:
             self._tb.close()
             self._tb = None

@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from mega_async.diskspace import read_jsonl
+
 logger = logging.getLogger("mega_async.run.report")
 
 # executor counters of every finished group (kept, filtered, rejected or failed): generation throughput
@@ -26,7 +28,7 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         p = p / "metrics.jsonl"
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist: pass a run directory that holds metrics.jsonl")
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return read_jsonl(p)  # a torn last line (a kill mid-write) is skipped
 
 
 def _col(history: Sequence[dict], key: str) -> list[float]:
