@@ -70,38 +70,47 @@ def connection_cap(requested: int = 0) -> tuple[int, int]:
 
 
 class Guard:
-    """What the connections of one server share: how many are open and which may be closed for a newcomer, oldest
-    waiter first (an OrderedDict in the order they began to wait)."""
+    """What the connections of one server share: how many are open and which may be closed for a newcomer. First
+    the one that has waited longest after sending something (half a header, a body being read, an idle kept-alive
+    connection): a slow client; only then one whose first bytes were not read yet (under load the server may take a
+    while to read a whole /health request). OrderedDicts in the order they began to wait."""
 
     def __init__(self, limits: ConnectionLimits, cap: int, ceiling: int):
         self.limits, self.cap, self.ceiling = limits, cap, ceiling
         self.open = 0
         self.pending = 0  # accepted by the Listener, not yet connected
         self.waiting: OrderedDict[GuardedHandler, None] = OrderedDict()
+        self.fresh: OrderedDict[GuardedHandler, None] = OrderedDict()  # nothing read from them yet
         self.closed = {"header": 0, "body": 0, "evicted": 0, "refused": 0}
         self._logged: Optional[float] = None
 
     def opened(self, h: "GuardedHandler") -> None:
         self.open += 1
         self.pending = max(0, self.pending - 1)
-        self.waiting[h] = None
-        if self.open > self.cap:
-            self.close(next(iter(self.waiting)), "evicted")  # the newcomer itself only when nothing else waits
+        self.fresh[h] = None
+        if self.open > self.cap:  # the newcomer itself only when nothing else waits
+            self.close(next(iter(self.waiting or self.fresh)), "evicted")
 
     def lost(self, h: "GuardedHandler") -> None:
         self.open -= 1
-        self.waiting.pop(h, None)
+        self.busy(h)
 
     def wait(self, h: "GuardedHandler") -> None:
-        self.waiting.pop(h, None)
+        self.busy(h)
         self.waiting[h] = None
 
     def busy(self, h: "GuardedHandler") -> None:
         self.waiting.pop(h, None)
+        self.fresh.pop(h, None)
+
+    def heard(self, h: "GuardedHandler") -> None:
+        """Its first bytes were read: a slow client from now on, unless a handler takes it."""
+        if self.fresh.pop(h, False) is None:
+            self.waiting[h] = None
 
     def close(self, h: "GuardedHandler", why: str) -> None:
         """Close now: abort() frees the descriptor at once, even with a response the client is not reading."""
-        self.waiting.pop(h, None)
+        self.busy(h)
         if h.transport is not None:
             h.transport.abort()
         h.force_close()
@@ -142,6 +151,7 @@ class GuardedHandler(RequestHandler):
             self._arm()
             self._guard.wait(self)
         super().data_received(data)
+        self._guard.heard(self)
 
     def connection_lost(self, exc: Optional[BaseException]) -> None:
         self._disarm()
@@ -263,6 +273,10 @@ def middlewares(limits: ConnectionLimits, authenticate: Any) -> list:
                 if request.transport is not None:  # flushed, then closed: no lingering read of the rest
                     request.transport.close()
                 return resp
+            except web.HTTPException:  # 413 past client_max_size
+                raise
+            except Exception:  # noqa: BLE001 - a broken body: the handler reads it again and says so, as before
+                pass
         _phase(request, "handling")
         return await handler(request)
 
