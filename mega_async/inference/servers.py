@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mega_async.comm import free_port
+from mega_async.inference import sglang_cpu
+from mega_async.inference.sglang_cpu import engine_python
 
 logger = logging.getLogger("mega_async.inference.servers")
 
@@ -55,19 +57,41 @@ class ServerSpec:
     base_gpu_id: Optional[int] = None  # real SGLang: server i uses GPUs base + i * tp_size ... (after the trainer's)
     extra_args: Sequence[str] = field(default_factory=list)
     allow_untested_sglang: bool = False  # launch an installed SGLang outside the tested release range
+    device: Optional[str] = None  # real SGLang: "cpu" on a machine without a GPU (mega_async.inference.sglang_cpu)
+    python: Optional[str] = None  # real SGLang's interpreter; None: engine_python() (this one when it has SGLang)
 
 
-def untested_sglang(allow: bool = False) -> Optional[str]:
-    """One line when the installed SGLang is missing or outside the tested range (None: fine, or allowed)."""
+def installed_sglang(python: str) -> Optional[str]:
+    """The SGLang release `python` has (None: none): read here for this interpreter, else asked of it."""
+    if python != sys.executable:
+        return sglang_cpu.probe(python)["sglang"]
     from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        return version("sglang")
+    except PackageNotFoundError:
+        return None
+
+
+def untested_sglang(allow: bool = False, python: Optional[str] = None) -> Optional[str]:
+    """One line when the SGLang of the servers' interpreter (`python`, else engine_python()) is missing or outside
+    the tested range (None: fine, or allowed)."""
+    try:
+        python = python or engine_python()
+        return release_problem(installed_sglang(python), python, allow)
+    except (FileNotFoundError, RuntimeError) as e:
+        return str(e)
+
+
+def release_problem(installed: Optional[str], python: str, allow: bool = False) -> Optional[str]:
+    """untested_sglang's verdict on the release `installed` that `python` has."""
     from mega_async.inference.sglang_releases import TESTED_RANGE, untested_reason
 
-    try:
-        installed = version("sglang")
-    except PackageNotFoundError:
-        return (f"inference.backend=sglang: SGLang is not installed; pip install -e .[gpu] (SGLang {TESTED_RANGE}) "
-                "or use inference.backend=embedded")
+    if installed is None:
+        where = "" if python == sys.executable else f" in {python}"
+        return (f"inference.backend=sglang: SGLang is not installed{where}; pip install -e .[gpu] (SGLang "
+                f"{TESTED_RANGE}), on a machine without a GPU {sglang_cpu.INSTALL_HINT}, or use "
+                "inference.backend=embedded")
     why = untested_reason(installed)
     if why is None or allow:
         if why:
@@ -87,11 +111,11 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
         if spec.dtype:
             cmd += ["--dtype", spec.dtype]
         # CPU servers on one host share its cores; oversubscribed OpenMP threads spin against each other
-        cmd += ["--num-threads", str(spec.num_threads or max(1, (os.cpu_count() or 1) // spec.num_servers))]
+        cmd += ["--num-threads", str(cpu_threads(spec))]
     elif spec.backend == "sglang":
         # through a shim that reads the API key from the environment (never on a command line)
         entry = "mega_async.inference.sglang_entry" if spec.api_key else "sglang.launch_server"
-        cmd = [sys.executable, "-m", entry, "--model-path", spec.model_path, "--host", spec.host,
+        cmd = [spec.python or sys.executable, "-m", entry, "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
                "--skip-server-warmup", "--disable-radix-cache"]
         if spec.base_gpu_id is not None:
@@ -106,6 +130,8 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
             cmd += ["--moe-a2a-backend", spec.moe_a2a_backend]
         if spec.dtype:
             cmd += ["--dtype", spec.dtype]
+        if spec.device == "cpu":
+            cmd += sglang_cpu.cpu_args(spec.extra_args, spec.dtype)
     else:
         raise ValueError(f"backend {spec.backend!r}: use embedded or sglang")
     return cmd + list(spec.extra_args)
@@ -114,12 +140,20 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
 API_KEY_ENV = "MEGA_ASYNC_API_KEY"  # what the embedded server and the SGLang shim read
 
 
+def cpu_threads(spec: ServerSpec) -> int:
+    """CPU threads per server: servers on one host split its cores (oversubscribed OpenMP threads spin)."""
+    return spec.num_threads or max(1, (os.cpu_count() or 1) // spec.num_servers)
+
+
 def server_env(spec: ServerSpec) -> dict[str, str]:
-    """The servers' environment: the API key travels here, so `ps` and /proc/<pid>/cmdline never show it."""
+    """The servers' environment: the API key travels here, so `ps` and /proc/<pid>/cmdline never show it; a CPU
+    SGLang server also gets SGLang's CPU engine, the sgl_kernel stand-in and its share of the cores."""
     env = dict(os.environ)
     env.pop(API_KEY_ENV, None)
     if spec.api_key:
         env[API_KEY_ENV] = spec.api_key
+    if spec.backend == "sglang" and spec.device == "cpu":
+        env = sglang_cpu.cpu_env(env, cpu_threads(spec))
     return env
 
 
@@ -127,8 +161,8 @@ class ServerLauncher:
     def __init__(self, spec: ServerSpec, log_dir: Optional[str] = None, startup_timeout: float = 300.0):
         if spec.num_servers < 1:
             raise ValueError(f"num_servers={spec.num_servers} must be >= 1")
-        if spec.backend == "sglang" and (problem := untested_sglang(spec.allow_untested_sglang)):
-            raise RuntimeError(problem)
+        if spec.backend == "sglang":
+            spec = self._check_sglang(spec)
         if not (Path(spec.model_path) / "config.json").exists() and spec.backend == "embedded":
             raise FileNotFoundError(f"model {spec.model_path} has no config.json; pass an HF-format model directory")
         self.spec = spec
@@ -139,6 +173,30 @@ class ServerLauncher:
         self._stopping = False  # set by stop(): no restart after it (a restart then would be an orphan)
         self._restart_lock = threading.Lock()
         self._logs: list[Path] = []
+
+    @staticmethod
+    def _check_sglang(spec: ServerSpec) -> ServerSpec:
+        """Before anything starts: the servers' interpreter has a tested SGLang and, for CPU servers, this project
+        (the stand-in and the fixes are ours); the spec comes back with its interpreter resolved."""
+        import dataclasses
+
+        try:
+            python = spec.python or engine_python()
+        except FileNotFoundError as e:
+            raise RuntimeError(str(e)) from None
+        ours = str(Path(__file__).resolve().parents[1])
+        found = sglang_cpu.probe(python) if python != sys.executable else {"sglang": installed_sglang(python),
+                                                                            "mega_async": ours}
+        if problem := release_problem(found["sglang"], python, spec.allow_untested_sglang):
+            raise RuntimeError(problem)
+        if spec.device == "cpu":
+            if problem := sglang_cpu.engine_problem(python, found):
+                raise RuntimeError(problem)
+            if Path(found["mega_async"] or "").resolve() != Path(ours):
+                logger.warning("the engine's interpreter %s imports mega_async from %s, this run from %s: its servers "
+                               "run that checkout's stand-in (rerun tools/install_sglang_cpu.sh here to change it)",
+                               python, found["mega_async"], ours)
+        return dataclasses.replace(spec, python=python)
 
     def start(self) -> list[str]:
         """Start all servers and wait until each answers /health; on any failure stop them all."""

@@ -120,18 +120,21 @@ class InferenceService:
                               f"(t1, e1); got t{tp} e{ep}. Use inference.backend=sglang for tensor/expert-parallel servers")
         self.gpus_per_server = tp
         model = cfg.model.path
-        if inf.backend == "embedded":
+        if inf.backend == "embedded" or not inf.addresses:  # servers we launch load the card's weights
             ensure_weights(model, seed=cfg.seed)
         self.vocab_size = AutoConfig.from_pretrained(model).vocab_size
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         addresses = list(inf.addresses)
         if not addresses:
+            gpu = _first_free_gpu(cfg) if inf.backend == "sglang" else None
             spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=api_key(cfg),
                               tp_size=tp, ep_size=ep,
                               dtype=cfg.model.dtype, seed=cfg.seed, extra_args=_extra_args(cfg),
                               allow_untested_sglang=inf.allow_untested_sglang,
                               weights_root=str(weights_root) if weights_root else None,
-                              base_gpu_id=_first_free_gpu(cfg) if inf.backend == "sglang" else None,
+                              base_gpu_id=gpu,
+                              # no GPU here: real SGLang's CPU engine (mega_async.inference.sglang_cpu)
+                              device="cpu" if inf.backend == "sglang" and gpu is None else None,
                               num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
             addresses = self.launcher.start()

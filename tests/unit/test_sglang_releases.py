@@ -1,4 +1,6 @@
 """Which SGLang release speaks which weight-sync protocol, and the launcher's refusal of an untested one."""
+import sys
+
 import pytest
 
 from mega_async.inference import servers
@@ -30,6 +32,7 @@ def test_launcher_refuses_an_untested_sglang_in_one_line(monkeypatch):
             return v
         return version
 
+    monkeypatch.setattr(servers, "engine_python", lambda: sys.executable)  # not an engine environment elsewhere
     monkeypatch.setattr(md, "version", installed("0.5.30"))
     problem = servers.untested_sglang()
     assert "SGLang 0.5.30 is outside the tested range" in problem and "allow_untested_sglang" in problem
