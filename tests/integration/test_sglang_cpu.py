@@ -1,0 +1,152 @@
+"""The real SGLang engine (0.5.23, CPU) under the project's trainer: the tiny run with the distributed sync and
+per-step verification, a disk sync, and kill -9 of a real server mid-run.
+
+Needs the engine's environment (`bash tools/install_sglang_cpu.sh`, SGLANG_CPU_VENV naming it; CI sets it): without
+the variable every test here skips, saying so; with it set, nothing skips. One real server for the module (the
+fixture; every run starts it at the card's weights, version 0, and reaches it through inference.addresses), and one
+more for the kill test, which the run launches itself (only a server the run launched is restarted by it).
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mega_async.inference import sglang_cpu
+from mega_async.inference.servers import ServerLauncher, ServerSpec
+from mega_async.model_cards import ensure_weights
+from .conftest import get, post
+
+pytestmark = [
+    pytest.mark.slow, pytest.mark.sglang,
+    pytest.mark.skipif(not os.environ.get(sglang_cpu.VENV_ENV),
+                       reason=f"the real SGLang engine's environment is not built here: run "
+                              f"`bash tools/install_sglang_cpu.sh` and export {sglang_cpu.VENV_ENV}=<its directory>"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+CARD = ROOT / "models" / "tiny-qwen3-moe"
+CONFIG = ROOT / "configs" / "tiny_cpu_sglang.yaml"
+PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """One real CPU SGLang server for the module, started by the project's launcher."""
+    ensure_weights(CARD)
+    spec = ServerSpec("sglang", str(CARD), device="cpu", dtype="float32", num_threads=1)
+    t0 = time.monotonic()
+    with ServerLauncher(spec, log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout=300) as launcher:
+        print(f"real SGLang server ready in {time.monotonic() - t0:.1f} s")
+        yield launcher.addresses[0]
+
+
+def at_card_weights(address: str) -> None:
+    """The fixture's server back at the card's weights, labelled version 0 (what a run starts from)."""
+    status, body = post(address, "/update_weights_from_disk", {"model_path": str(CARD), "weight_version": "0"})
+    assert status == 200 and body["success"], body
+
+
+def train(tmp_path: Path, *overrides: str, timeout: float = 900) -> Path:
+    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(CONFIG), f"logging.root_dir={tmp_path}",
+           "logging.tensorboard=false", *overrides]
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(f"mega-async train {' '.join(overrides)}: {time.monotonic() - t0:.1f} s")
+    assert p.returncode == 0, p.stderr[-4000:]
+    return tmp_path / "tiny_cpu_sglang" / "run0"
+
+
+def server_logprobs(address: str, ids: list[int]) -> torch.Tensor:
+    """The server's logprob of each prompt token after the first (prefill-only scoring)."""
+    status, body = post(address, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 0},
+                                               "return_logprob": True, "logprob_start_len": 0})
+    assert status == 200, body
+    return torch.tensor([lp for lp, _tok, _ in body["meta_info"]["input_token_logprobs"][1:]], dtype=torch.float64)
+
+
+def hf_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+def assert_serves(address: str, run: Path, version: int) -> None:
+    """The server reports the run's last version and its logprobs are final_hf's (transformers, fp32)."""
+    status, info = get(address, "/model_info")
+    assert status == 200 and info["weight_version"] == str(version), info
+    diff = (server_logprobs(address, PROMPT) - hf_logprobs(run / "final_hf", PROMPT)).abs().max().item()
+    print(f"server vs final_hf logprobs: max |diff| {diff:.2e}")
+    assert diff < 1e-4
+    assert (server_logprobs(address, PROMPT) - hf_logprobs(CARD, PROMPT)).abs().max().item() > 1e-3  # it moved
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_tiny_run_with_distributed_sync_and_per_step_verification(real_server, tmp_path):
+    """Every step's broadcast opens and closes a weight-update session on the real server, and after every step the
+    server's logprobs for a probe prompt must equal the trainer's (verify_sync, probe, 1e-4)."""
+    at_card_weights(real_server)
+    steps = 4
+    run = train(tmp_path, f"inference.addresses=[{real_server}]", f"trainer.total_steps={steps}",
+                "trainer.verify_sync=true", "trainer.verify_sync_method=probe")
+    rows = [m for m in metrics(run) if "step" in m]
+    assert len(rows) == steps
+    assert all(m["sync/verify_max_abs_diff"] < 1e-4 for m in rows), [m.get("sync/verify_max_abs_diff") for m in rows]
+    assert "0.5.23 (sessions)" in (run / "train.log").read_text()
+    assert_serves(real_server, run, steps)
+
+
+def test_disk_sync(real_server, tmp_path):
+    """trainer.weight_sync=disk: the real server loads each version's HF directory (/update_weights_from_disk)."""
+    at_card_weights(real_server)
+    steps = 3
+    run = train(tmp_path, f"inference.addresses=[{real_server}]", f"trainer.total_steps={steps}",
+                "trainer.weight_sync=disk")
+    assert_serves(real_server, run, steps)
+
+
+def test_a_killed_real_server_is_restarted_resynced_and_the_run_finishes(tmp_path):
+    """kill -9 of the real server the run launched, mid-run: the run starts it again at its address, waits for it
+    (its only server), brings it to the current weights (disk sync: it loads the current version's directory) and
+    finishes every step; verify_sync (probe) checks its logprobs after every later sync."""
+    import psutil
+
+    steps = 6
+    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(CONFIG), f"logging.root_dir={tmp_path}",
+           "logging.tensorboard=false", f"trainer.total_steps={steps}", "trainer.weight_sync=disk",
+           "trainer.verify_sync=true", "trainer.verify_sync_method=probe"]
+    t0 = time.monotonic()
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = tmp_path / "tiny_cpu_sglang" / "run0"
+    try:
+        deadline = time.monotonic() + 600
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        servers = [c for c in psutil.Process(p.pid).children(recursive=True)
+                   if "sglang.launch_server" in " ".join(c.cmdline())]
+        assert len(servers) == 1, [c.cmdline() for c in servers]
+        servers[0].kill()
+        out, err = p.communicate(timeout=900)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    print(f"run with a kill -9: {time.monotonic() - t0:.1f} s")
+    assert p.returncode == 0, err[-4000:]
+    rows = [m for m in metrics(run) if "step" in m]
+    assert len(rows) == steps and all(m["sync/verify_max_abs_diff"] < 1e-4 for m in rows)
+    log = (run / "train.log").read_text()
+    assert "exited with code -9; restarting it (1 of 3)" in log
+    assert "loaded version" in log  # re-synced: the current version's directory, before it serves again
+    assert "healthy again at the current weight version; re-admitted" in log
+    assert f"weights version {steps} on the servers" in out + err
