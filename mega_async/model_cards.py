@@ -8,7 +8,10 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("mega_async.model_cards")
 
@@ -94,7 +97,7 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     return dst
 
 
-def _random_router_bias(model: "torch.nn.Module", std: float = 0.02) -> None:
+def _random_router_bias(model: torch.nn.Module, std: float = 0.02) -> None:
     """transformers initialises sigmoid routers' `e_score_correction_bias` to zeros; a trained DeepSeek-V3 or
     GLM-4.5 has a bias that changes which experts are picked (not their weights). A random one, of the size
     of the sigmoid scores' spread, makes the tiny cards exercise that path."""

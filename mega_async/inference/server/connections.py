@@ -45,7 +45,8 @@ class ConnectionLimits:
             if not v > 0:  # NaN too
                 raise ValueError(f"{name}={v}: must be a positive number of seconds")
         if self.max_connections < 0:
-            raise ValueError(f"max_connections={self.max_connections}: must be at least 0 (0: from the open-file limit)")
+            raise ValueError(f"max_connections={self.max_connections}: must be at least 0 (0: from the open-file "
+                             "limit)")
 
 
 def connection_cap(requested: int = 0) -> tuple[int, int]:
