@@ -5,7 +5,7 @@ half a request took every file descriptor, and /health stopped answering).
   kept-alive connection; its body within `body_timeout` of the handler starting to read it (after the API key).
   Idle kept-alive connections close after aiohttp's keep-alive timeout.
 - At most `max_connections` are open (by default the open-file limit, raised to its hard limit, less the
-  descriptors in use, one accept burst and a margin): past it a new connection closes the one that has waited
+  descriptors in use, two accept bursts and a margin): past it a new connection closes the one that has waited
   longest for a request or its body (never one whose handler runs: a generation, a stream, a weight update), so
   /health still gets in. Accepted sockets not yet counted are bounded too (`Listener`): accept() never fails with
   'Too many open files', which made asyncio stop accepting for a second at a time.
@@ -51,7 +51,7 @@ class ConnectionLimits:
 
 def connection_cap(requested: int = 0) -> tuple[int, int]:
     """(cap, ceiling): connections open at once (`requested`, or the open-file limit, raised to its hard limit
-    first, less the descriptors in use now, one accept burst and a margin) and sockets held at once, counting
+    first, less the descriptors in use now, two accept bursts and a margin) and sockets held at once, counting
     those accepted but not yet connected (the limit less what is in use and the margin)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
@@ -66,7 +66,7 @@ def connection_cap(requested: int = 0) -> tuple[int, int]:
     except OSError:
         in_use = 256
     ceiling = max(16, soft - in_use - FD_MARGIN)
-    cap = min(requested, ceiling) if requested else max(8, ceiling - BACKLOG)
+    cap = min(requested, ceiling) if requested else max(8, ceiling - 2 * BACKLOG)  # room for two bursts
     return cap, ceiling
 
 
@@ -120,8 +120,11 @@ class Guard:
     def note(self, why: str) -> None:
         """Count a connection closed for `why`; one warning line at the first and then at most once a minute."""
         self.closed[why] += 1
+        self.report()
+
+    def report(self, final: bool = False) -> None:
         now = time.monotonic()
-        if self._logged is None or now - self._logged >= 60.0:
+        if sum(self.closed.values()) and (final or self._logged is None or now - self._logged >= 60.0):
             c, lim = self.closed, self.limits
             logger.warning("closed %d connections since the last report: %d sent no request header within %gs, %d no "
                            "body within %gs, %d made room at the limit of %d open connections, %d refused at %d "
@@ -298,6 +301,7 @@ def serve(app: web.Application, host: str, port: int, limits: ConnectionLimits, 
             while True:
                 await asyncio.sleep(3600)
         finally:
+            runner.guard.report(final=True)
             await runner.cleanup()
 
     try:
