@@ -8,6 +8,7 @@ more for the kill test, which the run launches itself (only a server the run lau
 """
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -147,6 +148,7 @@ def test_a_killed_real_server_is_restarted_resynced_and_the_run_finishes(tmp_pat
     assert len(rows) == steps and all(m["sync/verify_max_abs_diff"] < 1e-4 for m in rows)
     log = (run / "train.log").read_text()
     assert "exited with code -9; restarting it (1 of 3)" in log
-    assert "loaded version" in log  # re-synced: the current version's directory, before it serves again
-    assert "healthy again at the current weight version; re-admitted" in log
+    loaded = re.search(r"server \S+ loaded version \d+ from ", log)  # re-synced: the current version's directory
+    admitted = re.search(r"server \S+ is healthy again( at the current weight version)?; re-admitted", log)
+    assert loaded and admitted and loaded.start() < admitted.start(), log[-3000:]
     assert f"weights version {steps} on the servers" in out + err
