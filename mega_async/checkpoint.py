@@ -29,6 +29,7 @@ import torch
 from mega_async.checkpoint_check import (check_model_dir, check_run_dir, read_trainer_json, validate_checkpoint,
                                          write_manifest)
 from mega_async.diskspace import DiskFull, free_bytes, human, out_of_space
+from mega_async.launch.lifeline import guard_checkpoint_writer
 from mega_async.safe_load import CheckpointError, dist_load, safe_torch_load
 
 __all__ = ["CheckpointError", "check_dist_checkpoint", "checkpoint_path", "checked_resume_point", "latest_checkpoint",
@@ -139,6 +140,7 @@ def save_checkpoint(run_dir: str | Path, step: int, engine: Any, version: int, a
             (tmp / "model").mkdir(parents=True)
             (tmp / "rng").mkdir()
         _barrier()
+        guard_checkpoint_writer()  # Megatron's writer process ends with this one, even under kill -9
         dist_checkpointing.save(sd, str(tmp / "model"))
         torch.save(_rng_state(), tmp / "rng" / f"rank{rank}.pt")
         _barrier()  # every rank's files are written: rank 0 seals them

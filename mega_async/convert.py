@@ -61,6 +61,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     from mega_async.bridge import HFTensors, load_hf_weights
+    from mega_async.launch.lifeline import guard_checkpoint_writer
     from mega_async.trainer.model import build_model
 
     src, out = Path(hf_dir), Path(out_dir)
@@ -77,6 +78,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
         tmp.mkdir(parents=True)
     _barrier()
     logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
+    guard_checkpoint_writer()  # Megatron's writer process ends with this one, even under kill -9
     dist_checkpointing.save(model_sharded_state_dict(models), str(tmp))
     nbytes = sum(f.stat().st_size for f in src.glob("*.safetensors"))
     count = len(model_tensor_names(HFTensors(src).names(), models))

@@ -207,7 +207,7 @@ class ServerLauncher:
                 port = free_port(self.spec.host)
                 self._logs.append(self.log_dir / f"server{i}.log")
                 self.addresses.append(f"{self.spec.host}:{port}")
-                self.procs.append(self._spawn(i, "wb"))
+                self.procs.append(self._spawn(i, "ab"))  # a resume keeps the crashed run's logs
             for i in range(len(self.procs)):
                 self._wait_healthy(i)
         except BaseException:

@@ -1,0 +1,132 @@
+"""Processes of a run end with the process that started them, however it ends (mega_async/launch/lifeline.py):
+a process is known by pid and start time; a watcher ends its whole tree once what it watches is gone; a child
+started with `child_preexec` dies with its parent; Megatron's checkpoint-writer manager (and multiprocessing's
+resource tracker with it) ends with the process that saved, under kill -9 too."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from mega_async.launch.lifeline import ProcessRef
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def _gone(pids, timeout: float) -> float:
+    """Seconds until every pid has ended (a zombie counts as ended); fails after `timeout`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if not any(ProcessRef.of(p).alive() for p in pids):
+            return time.monotonic() - t0
+        time.sleep(0.05)
+    alive = [" ".join(psutil.Process(p).cmdline()) for p in pids if ProcessRef.of(p).alive()]
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise AssertionError(f"still running after {timeout}s: {alive}")
+
+
+def _python(code: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=ENV)
+
+
+def test_a_process_is_its_pid_and_start_time():
+    p = subprocess.Popen(["sleep", "30"])
+    ref = ProcessRef.of(p.pid)
+    assert ref.alive() and ProcessRef.parse(str(ref)) == ref
+    assert not ProcessRef(p.pid, ref.start + 1).alive()  # the same pid, another process
+    p.kill()
+    time.sleep(0.2)
+    assert not ref.alive()  # a zombie (not yet waited for) has ended
+    p.wait()
+    assert not ref.alive() and ProcessRef.parse("nonsense") is None
+
+
+WATCHER = """
+import subprocess, sys, time
+from mega_async.launch.lifeline import ProcessRef, watch
+watch([ProcessRef.of(int(sys.argv[1]))])
+kids = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"], start_new_session=True)]
+print(" ".join(str(k.pid) for k in kids), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_watcher_ends_its_tree_when_the_watched_process_dies():
+    launcher = subprocess.Popen(["sleep", "60"])
+    w = _python(WATCHER, str(launcher.pid))
+    kids = [int(x) for x in w.stdout.readline().split()]
+    launcher.kill()
+    launcher.wait()
+    assert _gone([w.pid, *kids], 5) < 5
+    w.wait()
+
+
+ORPHAN = """
+import os, subprocess, sys, time
+from mega_async.launch.lifeline import watch
+code = "import os, sys, time; from mega_async.launch.lifeline import watch; watch([], parent=os.getppid()); " \\
+       "print(os.getpid(), flush=True); time.sleep(60)"
+child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+print(child.stdout.readline().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_rank_ends_when_its_parent_is_killed():
+    agent = _python(ORPHAN)  # stands for torchrun's agent, the rank for its child
+    rank = int(agent.stdout.readline())
+    agent.send_signal(signal.SIGKILL)
+    agent.wait()
+    assert _gone([rank], 5) < 5
+
+
+PREEXEC = """
+import signal, subprocess, time
+from mega_async.launch.lifeline import child_preexec
+p = subprocess.Popen(["sleep", "60"], preexec_fn=child_preexec(signal.SIGKILL))
+print(p.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_child_started_with_the_preexec_dies_with_its_parent():
+    parent = _python(PREEXEC)
+    child = int(parent.stdout.readline())
+    assert os.getpgid(child) == child  # its own session: a signal to the parent's group is not delivered twice
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert _gone([child], 5) < 1
+
+
+GUARD = """
+import os, time
+import psutil
+from mega_async.launch.lifeline import guard_checkpoint_writer
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+guard_checkpoint_writer()
+guard_checkpoint_writer()  # once
+q = fsa._get_write_results_queue()  # what Megatron's writer asks for: ours
+q.put(1)
+assert q.get() == 1
+print(" ".join(str(c.pid) for c in psutil.Process().children()), flush=True)
+time.sleep(120)
+"""
+
+
+def test_megatrons_checkpoint_writer_ends_with_a_killed_driver():
+    driver = _python(GUARD)
+    kids = [int(x) for x in driver.stdout.readline().split()]
+    cmds = [" ".join(psutil.Process(k).cmdline()) for k in kids]
+    assert len(kids) == 2 and any("resource_tracker" in c for c in cmds) and any("spawn_main" in c for c in cmds)
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    took = _gone(kids, 10)
+    assert took < 3, took
