@@ -19,7 +19,10 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     _setup_logging(cfg.logging.level)
-    history = run_rollout(cfg)
+    if (lock := _hold_run_dir("rollout", cfg.run_dir)) is None:
+        return 2
+    with lock:
+        history = run_rollout(cfg)
     last = history[-1]
     tokens = sum(h["output_tokens"] for h in history)
     print(
@@ -28,6 +31,17 @@ def _cmd_rollout(args: argparse.Namespace) -> int:
         f"(rollout.max_staleness={cfg.rollout.max_staleness}); run dir {cfg.run_dir}"
     )
     return 0
+
+
+def _hold_run_dir(command: str, run_dir: Path) -> Any:
+    """The run directory's lock (mega_async.run.lock) for `mega-async <command>`; None after a one-line refusal."""
+    from mega_async.run.lock import RunDirLock, RunDirLockError
+
+    try:
+        return RunDirLock.acquire(run_dir)
+    except RunDirLockError as e:
+        print(f"mega-async {command}: {e}", file=sys.stderr)
+        return None
 
 
 def _cmd_init_weights(argv: list[str]) -> int:
@@ -45,9 +59,10 @@ def _cmd_init_weights(argv: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import os
+    from mega_async.launch import lifeline, local
 
-    from mega_async.launch import local
+    if local.under_launcher():  # a rank: it ends with the command or agent that started it, however they end
+        lifeline.watch_launcher()
     if args.resume:
         args.overrides = [o for o in args.overrides if not o.startswith("trainer.resume=")] + ["trainer.resume=require"]
     cfg = load_config(args.config, args.overrides)
@@ -55,18 +70,100 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("inference.backend=simulated has no model to train or update; mega-async train needs "
                           "embedded or sglang servers (the simulator is for mega-async rollout)")
     layout = cfg.allocation().train
-    world = layout.world_size
     if (Path(cfg.model.path) / "config.json").exists():  # a layout that does not fit fails before anything starts
         from transformers import AutoConfig
 
         from mega_async.allocation import validate_for_model
 
         validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
-    from mega_async.checkpoint import CheckpointError, checked_resume_point, resume_point
+    from mega_async.checkpoint import resume_point
+    from mega_async.run.lock import RunDirLockError
     from mega_async.run.loop import check_inputs
 
-    resume_point(cfg.run_dir, cfg.trainer.resume)  # no mix of two runs, no link out of the run dir, before a write
-    check_inputs(cfg)  # model card, context budget, dataset and reward before any rank or server starts
+    owner = _owns_run_dir(cfg)
+    lock = None
+    try:
+        try:
+            if owner and cfg.run_dir.exists():  # another live run here: refused before anything is read or written
+                lock = _lock_run_dir(cfg)
+            found = resume_point(cfg.run_dir, cfg.trainer.resume)  # no mix of two runs, no link out of the run dir
+            check_inputs(cfg)  # model card, context budget, dataset and reward before any rank or server starts
+            if owner and lock is None:
+                lock = _lock_run_dir(cfg)
+        except RunDirLockError as e:
+            print(f"mega-async train: {e}", file=sys.stderr)
+            return 2
+        if (done := _finished(cfg, found)) is not None:
+            print(f"mega-async train: {done}")
+            return 0
+        return _train(args, cfg, layout.world_size, lock)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _owns_run_dir(cfg: Any) -> bool:
+    """Whether this process locks the run directory: the driver, i.e. `mega-async train` itself, or rank 0 under an
+    external torchrun/srun unless what started it holds the lock for it (the local launcher, the Slurm job)."""
+    import os
+
+    from mega_async.launch import local
+
+    if not local.under_launcher():
+        return True
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    held = os.environ.get(local.RUN_LOCK_ENV)
+    return rank == 0 and not (held and Path(held).resolve() == Path(cfg.run_dir).resolve())
+
+
+def _lock_run_dir(cfg: Any) -> Any:
+    """The driver's RunDirLock (mega_async.run.lock); None when the Slurm job running this driver holds it."""
+    import os
+
+    from mega_async.run.lock import RunDirInUse, RunDirLock, holder
+
+    try:
+        return RunDirLock.acquire(cfg.run_dir)
+    except RunDirInUse:
+        job = os.environ.get("SLURM_JOB_ID")
+        if job and holder(cfg.run_dir).get("slurm_job") == job:  # launch/slurm/lib.sh locked it for this job
+            return None
+        raise
+
+
+def _finished(cfg: Any, found: Optional[Path]) -> Optional[str]:
+    """One line when resuming a run whose last step and final export are done (None: there is work)."""
+    from mega_async.checkpoint import CheckpointError
+    from mega_async.checkpoint_check import read_trainer_json
+
+    if found is None or not (cfg.run_dir / "final_hf").is_dir():
+        return None
+    try:
+        step = read_trainer_json(found / "trainer.json")["step"]
+    except CheckpointError:
+        return None  # the whole check before the run says what is wrong with it
+    if step + 1 < cfg.trainer.total_steps:
+        return None
+    return (f"nothing to do: {cfg.run_dir} already finished {step + 1} steps (trainer.total_steps="
+            f"{cfg.trainer.total_steps}; final weights in {cfg.run_dir / 'final_hf'}); to train on, pass a larger "
+            "trainer.total_steps with --resume, or start a new run with another trial_name")
+
+
+def _resume_hint(run_dir: Path) -> str:
+    from mega_async.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    return (f"; last checkpoint {last.name}: continue with --resume" if last is not None else
+            "; no checkpoint was written yet (trainer.save_interval)")
+
+
+def _train(args: argparse.Namespace, cfg: Any, world: int, lock: Any) -> int:
+    """Start the ranks (one host, several ranks) or be one; the run's end in one line."""
+    import contextlib
+    import os
+
+    from mega_async.checkpoint import CheckpointError, checked_resume_point
+    from mega_async.launch import local
     from mega_async.run.console import setup_logging
 
     setup_logging(cfg.logging.level, cfg.run_dir, cfg.trainer.total_steps, verbose=args.verbose)
@@ -76,7 +173,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if world > 1 and not local.under_launcher():  # one host: start the trainer ranks ourselves
         argv = ["train"] + (["-c", args.config] if args.config else []) + (["-v"] if args.verbose else []) \
             + list(args.overrides)
-        return local.launch_local(world, argv)
+        return local.launch_local(world, argv, run_lock=lock, resume_hint=lambda: _resume_hint(cfg.run_dir))
     from mega_async.allocation import AllocationError
     from mega_async.run.loop import Preempted, run_training
 
@@ -92,17 +189,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
             raise  # bad input: main() prints it in one line
         logging.getLogger("mega_async.cli").exception("trainer rank failed")
         if world > 1:  # leave at once: a collective teardown could wait on a dead rank
-            if not local.stopped_by_launcher(e):  # torchrun stopping us is not the failure to report
+            if local.stopped_by_launcher(e):  # torchrun stopping us is not the failure to report, a signal may be
+                local.record_stop(e)
+            else:
                 line = local.record_error(e)
                 if not os.environ.get(local.ERROR_DIR_ENV):  # under an external torchrun/srun: say it here
                     print(f"mega-async train: {line}", file=sys.stderr, flush=True)
             logging.shutdown()
             os._exit(1)
-        if isinstance(e, KeyboardInterrupt):
-            print("mega-async train: interrupted", file=sys.stderr)
-            return 130
-        print(f"mega-async train: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-              file=sys.stderr)
+        with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+            if isinstance(e, KeyboardInterrupt):
+                print(f"mega-async train: interrupted{_resume_hint(cfg.run_dir)}", file=sys.stderr)
+                return 130
+            if local.stopped_by_launcher(e):
+                print(f"mega-async train: {e}{_resume_hint(cfg.run_dir)}", file=sys.stderr)
+                return e.code
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(f"mega-async train: {type(e).__name__}: {first}", file=sys.stderr)
         return 1
     if history:
         first, last = history[0], history[-1]
@@ -110,6 +213,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"{last['reward_mean']:.3f}; weights version {last['version']} on the servers; final weights in "
               f"{cfg.run_dir / 'final_hf'}")
         _report(cfg.run_dir)
+    elif int(os.environ.get("RANK", "0")) == 0:  # resumed after the last step: only the final export was left
+        print(f"mega-async train: no step left to train (trainer.total_steps={cfg.trainer.total_steps}); final "
+              f"weights written to {cfg.run_dir / 'final_hf'}")
     return 0
 
 
@@ -118,8 +224,11 @@ def _cmd_sft(args: argparse.Namespace) -> int:
     from mega_async.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
+    if (lock := _hold_run_dir("sft", cfg.run_dir)) is None:
+        return 2
     setup_logging(cfg.logging.level, cfg.run_dir, verbose=args.verbose)
-    r = run_sft(cfg)
+    with lock:
+        r = run_sft(cfg)
     print(f"sft done: {r['steps']} steps in {r['train_s']:.0f}s; held-out exact match greedy {r['greedy']:.3f}, "
           f"sampled (t=1) {r['sampled_t1']:.3f} over {r['problems']} problems; weights in {cfg.run_dir / 'final_hf'}")
     return 0

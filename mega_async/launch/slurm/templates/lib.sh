@@ -22,7 +22,33 @@ ma_free_port() {  # a free TCP port on node $1 (asked on that node)
     'from mega_async.comm import free_port; print(free_port("0.0.0.0"))'
 }
 
+# one live run per run directory (mega_async/run/lock.py): the job holds an flock on $RUN_DIR/run.lock for its
+# life (the kernel drops it when the job's last process holding it ends, however it ends); a second job on the
+# directory stops here, before it writes anything. Its driver sees the lock is its own job's (slurm_job).
+ma_lock_run_dir() {
+  local lock=$RUN_DIR/run.lock
+  mkdir -p "$RUN_DIR"
+  if [ -L "$lock" ]; then
+    echo "mega-async launch: $lock is a symbolic link; a run directory must hold its own files" >&2
+    exit 2
+  fi
+  if ! command -v flock >/dev/null; then
+    echo "mega-async launch: no flock(1) on $(hostname): a second job on $RUN_DIR would not be refused" >&2
+    return 0
+  fi
+  exec {MA_LOCK_FD}<>"$lock"
+  if ! flock -n "$MA_LOCK_FD"; then
+    echo "mega-async launch: run directory $RUN_DIR is in use by another run ($(head -c 400 "$lock")); wait for" \
+      "it to end or cancel it, or choose another trial_name" >&2
+    exit 2
+  fi
+  printf '{"pid": %d, "host": "%s", "started": "%s", "command": "slurm job %s", "slurm_job": "%s"}\n' \
+    "$$" "$(hostname)" "$(date '+%F %T %z')" "${SLURM_JOB_ID:-?}" "${SLURM_JOB_ID:-}" >"$lock"
+  export MEGA_ASYNC_RUN_LOCKED=$RUN_DIR
+}
+
 ma_init() {
+  ma_lock_run_dir
   mkdir -p "$RUN_DIR/logs/addresses"
   rm -f "$RUN_DIR"/logs/addresses/*
   mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")

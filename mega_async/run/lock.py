@@ -1,0 +1,121 @@
+"""One live run per run directory: `<run_dir>/run.lock`, an flock held by the run's driver for its whole life.
+
+The kernel drops an flock when the last process holding it ends, however it ends, so a crashed or killed run
+never leaves the directory locked; the file's content (pid, host, start time, command) only names the holder
+for the refusal. A second `mega-async train` on a directory in use is refused before it writes anything.
+On a filesystem without locks (some Lustre mounts) the run goes on with a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger("mega_async.run.lock")
+
+LOCK_FILE = "run.lock"
+
+
+class RunDirLockError(RuntimeError):
+    """The run directory cannot be locked for this run (one line)."""
+
+
+class RunDirInUse(RunDirLockError):
+    """Another live run holds the run directory."""
+
+
+class RunDirLock:
+    """`RunDirLock.acquire(run_dir)` creates the directory if needed and locks it, or raises RunDirInUse (one
+    line naming the holder). Held until `release()` or the end of every process that has its descriptor."""
+
+    def __init__(self, run_dir: Path, fd: Optional[int], created: Optional[Path] = None):
+        self.run_dir, self.fd, self.created = run_dir, fd, created  # created: the topmost folder made for it
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path) -> "RunDirLock":
+        d = Path(run_dir)
+        created = next((p for p in reversed([d, *d.parents]) if not p.exists()), None)
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / LOCK_FILE
+        while True:
+            # O_NOFOLLOW: a link planted at run.lock is refused, not followed (and never truncated)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise RunDirLockError(f"{path}: is a symbolic link; a run directory must hold its own files: "
+                                          "remove it, or choose another trial_name") from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RunDirInUse(in_use_message(d)) from None
+                if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+                    logger.warning("%s: this filesystem does not support locks (%s); a second run on the same "
+                                   "directory would not be refused", path, e.strerror)
+                    return cls(d, None, created)
+                raise
+            try:  # the file we locked must still be the one at the path (a holder may have just removed it)
+                same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+                "command": " ".join(["mega-async", *sys.argv[1:]])[:300]}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        return cls(d, fd, created)
+
+    def release(self) -> None:
+        """Unlock (early; process exit does it too). A directory this lock created that holds nothing else goes
+        (a start refused for bad input leaves no run directory behind)."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            if self.created is not None and os.listdir(self.run_dir) == [LOCK_FILE]:
+                os.unlink(self.run_dir / LOCK_FILE)
+                d = self.run_dir
+                while True:  # the folders made for it, while empty
+                    os.rmdir(d)
+                    if d == self.created:
+                        break
+                    d = d.parent
+        os.close(self.fd)
+        self.fd = None
+
+
+    def __enter__(self) -> "RunDirLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def holder(run_dir: str | Path) -> dict:
+    """The lock file's record of the run holding it ({} when unreadable)."""
+    try:
+        with open(Path(run_dir) / LOCK_FILE, "rb") as f:
+            info = json.loads(f.read(4096) or b"{}")
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def in_use_message(run_dir: Path) -> str:
+    h = holder(run_dir)
+    who = (f"pid {h.get('pid', '?')} on host {h.get('host', '?')}, started {h.get('started', '?')}"
+           + (f": {h['command']}" if h.get("command") else ""))
+    return (f"run directory {run_dir} is in use by another run ({who}); wait for it to end or stop it "
+            f"(kill {h.get('pid', '<pid>')}), or choose another trial_name")
