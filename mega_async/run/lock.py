@@ -117,5 +117,22 @@ def in_use_message(run_dir: Path) -> str:
     h = holder(run_dir)
     who = (f"pid {h.get('pid', '?')} on host {h.get('host', '?')}, started {h.get('started', '?')}"
            + (f": {h['command']}" if h.get("command") else ""))
+    if _ended_here(h):  # its command is gone, what it started still holds the lock while it stops
+        return (f"run directory {run_dir} is still held by the processes of a run that just ended ({who}); they "
+                "end within seconds: try again")
     return (f"run directory {run_dir} is in use by another run ({who}); wait for it to end or stop it "
             f"(kill {h.get('pid', '<pid>')}), or choose another trial_name")
+
+
+def _ended_here(h: dict) -> bool:
+    """The holder named in the lock file ran on this host and has ended."""
+    pid = h.get("pid")
+    if h.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -101,3 +102,26 @@ def test_the_slurm_job_holds_the_run_directory(tmp_path):
         assert second.returncode == 2 and f'"pid": {os.getpid()}' in err
     finally:
         holding.release()
+
+
+def test_a_lock_left_to_the_stopping_children_of_an_ended_run_says_so(tmp_path):
+    """The local launcher's torchrun agent keeps the lock a few seconds after a kill -9 of the command."""
+    code = ("import subprocess, sys; from mega_async.run.lock import RunDirLock; lock = RunDirLock.acquire(sys.argv[1]); "
+            "print(subprocess.Popen(['sleep', '60'], pass_fds=(lock.fd,), stdout=subprocess.DEVNULL, "
+            "stderr=subprocess.DEVNULL).pid)")
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    child = int(r.stdout)
+    try:
+        with pytest.raises(RunDirInUse, match=r"is still held by the processes of a run that just ended \(pid "):
+            RunDirLock.acquire(tmp_path)
+    finally:
+        os.kill(child, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:  # free once the child is gone
+        try:
+            RunDirLock.acquire(tmp_path).release()
+            break
+        except RunDirInUse:
+            assert time.monotonic() < deadline, "the lock outlived its last holder"
+            time.sleep(0.1)
