@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from mega_async import bench_gate
+from mega_async.launch.lifeline import child_preexec
 
 logger = logging.getLogger("mega_async.bench")
 
@@ -181,7 +183,8 @@ def prepare_sft(sft: dict[str, Any], cache_root: Path, timeout: float = 3600.0) 
            "experiment_name=bench_sft", f"trial_name={key}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     logger.info("sft for the scenario: %s", " ".join(cmd))
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env,
+                       preexec_fn=child_preexec(signal.SIGTERM, new_session=False))  # ends with the bench
     if r.returncode != 0:
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"bench sft run failed (exit {r.returncode}): {tail}")
@@ -199,7 +202,7 @@ def run_train(config: str, overrides: Sequence[str], run_root: Path, trial: str,
            "logging.tensorboard=false"]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                          start_new_session=True) as proc:
+                          preexec_fn=child_preexec(signal.SIGTERM)) as proc:  # its own session; ends with the bench
         with PeakRSS(proc.pid) as mem:
             try:
                 _, err = proc.communicate(timeout=timeout)
