@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -44,6 +45,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if launcher is not None and not launcher.alive():
             print(f"mega-async train: the launching command (pid {launcher.pid}) is gone; every rank was stopped",
                   file=sys.stderr, flush=True)
+            if os.environ.get(ERROR_DIR_ENV):  # the command's own cleanup never ran
+                shutil.rmtree(os.environ[ERROR_DIR_ENV], ignore_errors=True)
         sys.exit(128 + int(e.sigval))
 
 

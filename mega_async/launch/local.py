@@ -78,11 +78,11 @@ def launch_local(nproc: int, argv: Sequence[str], run_lock: Any = None,
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // (2 * nproc))))
     if run_lock is not None:
         env[RUN_LOCK_ENV] = str(run_lock.run_dir)
-    handlers = {s: signal.signal(s, _interrupt) for s in stop_signals()}
     # its own session, so a signal to this command (Ctrl-C, a scheduler's SIGTERM) is forwarded once and the whole
     # tree can be killed if it does not stop in time; SIGTERM to it when this command dies, however it dies
     proc = subprocess.Popen(cmd, env=env, preexec_fn=lifeline.child_preexec(signal.SIGTERM, parent=os.getpid()),
                             pass_fds=(run_lock.fd,) if run_lock is not None else ())
+    handlers = {s: signal.signal(s, _interrupt) for s in stop_signals()}  # before: a signal kills us, torchrun follows
     previous_usr1 = signal.signal(PREEMPT_SIGNAL, lambda signum, frame: forward_to_ranks(proc.pid, signum))
     try:
         try:

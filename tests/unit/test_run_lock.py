@@ -106,9 +106,9 @@ def test_the_slurm_job_holds_the_run_directory(tmp_path):
 
 def test_a_lock_left_to_the_stopping_children_of_an_ended_run_says_so(tmp_path):
     """The local launcher's torchrun agent keeps the lock a few seconds after a kill -9 of the command."""
-    code = ("import subprocess, sys; from mega_async.run.lock import RunDirLock; lock = RunDirLock.acquire(sys.argv[1]); "
-            "print(subprocess.Popen(['sleep', '60'], pass_fds=(lock.fd,), stdout=subprocess.DEVNULL, "
-            "stderr=subprocess.DEVNULL).pid)")
+    code = ("import subprocess, sys; from mega_async.run.lock import RunDirLock; "
+            "lock = RunDirLock.acquire(sys.argv[1]); print(subprocess.Popen(['sleep', '60'], pass_fds=(lock.fd,), "
+            "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     child = int(r.stdout)
