@@ -25,6 +25,14 @@ DEPS = (
     "soundfile==0.14.0",  # the OpenAI audio route
     "fastapi==0.165.0", "starlette==1.10.0", "annotated-doc==0.0.7", "opentelemetry-api==1.45.2",
     "python-multipart==0.0.34", "uvicorn==0.54.0", "uvloop==0.23.0", "setproctitle==1.3.8",  # http_server
+    # sglang/srt/utils/common.py and sglang/utils.py (IPython.display) with what they import: a fresh venv has
+    # none of them from the project (CI's machine once had them installed by hand, which hid that)
+    "orjson==3.11.9", "requests==2.34.2", "urllib3==2.8.0", "charset-normalizer==3.5.3", "idna==3.20",
+    "certifi==2026.10.19.post1", "ipython==9.18.1", "ipython-pygments-lexers==1.1.1", "jedi==0.20.1",
+    "parso==0.8.7", "matplotlib-inline==0.2.2", "traitlets==5.16.1", "pexpect==4.9.0", "ptyprocess==0.7.0",
+    "prompt-toolkit==3.0.53", "wcwidth==0.9.4", "stack-data==0.6.3", "executing==2.3.0", "asttokens==3.0.2",
+    "pure-eval==0.2.4", "decorator==5.2.1", "interegular==0.3.3", "cffi==2.1.1", "pycparser==3.12",  # soundfile
+    "jsonschema==4.26.0", "jsonschema-specifications==2025.9.1", "referencing==0.37.0", "rpds-py==2026.9.1",
 )
 
 
