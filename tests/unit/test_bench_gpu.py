@@ -3,6 +3,7 @@ count, the skip path without a GPU, and (slow) the --cpu-dry-run of every Python
 import importlib.util
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -45,8 +46,9 @@ def test_gpu_check_without_gpu_skips_every_part_with_a_reason(tmp_path):
 
 @pytest.mark.slow  # two tiny runs: a Megatron train step and an embedded server on CPU (~1-2 min on 2 cores)
 def test_gpu_check_cpu_dry_run_runs_every_python_part(tmp_path):
+    env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable}  # this venv's, not PATH's
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True,
-                       text=True, timeout=600, env={**os.environ, "GPU_CHECK_DIR": str(tmp_path)})
+                       text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "train-step   ok" in r.stdout and '"tokens_per_s"' in r.stdout
     assert "server-gen   ok" in r.stdout and "==== PASS ====" in r.stdout

@@ -14,6 +14,7 @@ half a request took every file descriptor, and /health stopped answering).
 from __future__ import annotations
 
 import asyncio
+import signal
 import logging
 import os
 import resource
@@ -291,15 +292,21 @@ def serve(app: web.Application, host: str, port: int, limits: ConnectionLimits, 
     """`web.run_app(app, host=host, port=port)` (signals, graceful shutdown, a client that disconnects cancels its
     handler) with guarded connections."""
     async def main() -> None:
-        runner = GuardedRunner(app, limits, handle_signals=True, handler_cancellation=True,
+        # SIGTERM/SIGINT end the wait below, so the graceful shutdown (on_shutdown answers every open request as
+        # aborted, handlers get shutdown_timeout to finish) runs before asyncio.run cancels what is left; a signal
+        # raised out of the loop (aiohttp's handle_signals) would cancel the open handlers first: no answer at all
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        runner = GuardedRunner(app, limits, handle_signals=False, handler_cancellation=True,
                                shutdown_timeout=shutdown_timeout)
         await runner.setup()
         try:
             await web.SockSite(runner, listener(host, port, runner.guard), backlog=BACKLOG).start()
             logger.info("connections: at most %d open (%d sockets); request header within %gs, body within %gs",
                         runner.guard.cap, runner.guard.ceiling, limits.header_timeout, limits.body_timeout)
-            while True:
-                await asyncio.sleep(3600)
+            await stop.wait()
         finally:
             runner.guard.report(final=True)
             await runner.cleanup()
