@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -140,7 +141,7 @@ def watch(refs: Sequence[ProcessRef], parent: Optional[int] = None, what: str = 
                     return on_loss(f"{what} (pid {r.pid}) is gone")
             if parent is not None and os.getppid() != parent:
                 return on_loss(f"its parent process (pid {parent}) is gone")
-            threading.Event().wait(interval)
+            time.sleep(interval)
 
     t = threading.Thread(target=loop, name="lifeline", daemon=True)
     t.start()

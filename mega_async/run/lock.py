@@ -22,6 +22,7 @@ from typing import Optional
 logger = logging.getLogger("mega_async.run.lock")
 
 LOCK_FILE = "run.lock"
+ENDED_WAIT_S = 30.0  # how long a start waits for the stopping processes of a run that just ended
 
 
 class RunDirLockError(RuntimeError):
@@ -40,37 +41,34 @@ class RunDirLock:
         self.run_dir, self.fd, self.created = run_dir, fd, created  # created: the topmost folder made for it
 
     @classmethod
-    def acquire(cls, run_dir: str | Path) -> "RunDirLock":
+    def acquire(cls, run_dir: str | Path, wait_for_ended: float = ENDED_WAIT_S) -> "RunDirLock":
+        """Lock `run_dir`. Held by what is left of a run whose command ended on this host (a kill -9 mid-save
+        leaves a writer Megatron forked, the local launcher's agent stops its ranks): wait up to `wait_for_ended`
+        seconds for it to go, as it does within seconds, then refuse."""
         d = Path(run_dir)
         created = next((p for p in reversed([d, *d.parents]) if not p.exists()), None)
         d.mkdir(parents=True, exist_ok=True)
         path = d / LOCK_FILE
+        deadline, said = time.monotonic() + wait_for_ended, False
         while True:
-            # O_NOFOLLOW: a link planted at run.lock is refused, not followed (and never truncated)
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise RunDirLockError(f"{path}: is a symbolic link; a run directory must hold its own files: "
-                                          "remove it, or choose another trial_name") from None
-                raise
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as e:
+            fd = _open(path)
+            state = _flock(fd, path)
+            if state == "unsupported":
+                return cls(d, None, created)
+            if state == "busy":
                 os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise RunDirInUse(in_use_message(d)) from None
-                if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
-                    logger.warning("%s: this filesystem does not support locks (%s); a second run on the same "
-                                   "directory would not be refused", path, e.strerror)
-                    return cls(d, None, created)
-                raise
+                if not (_ended_here(holder(d)) and time.monotonic() < deadline):
+                    raise RunDirInUse(in_use_message(d))
+                if not said:
+                    logger.warning("%s: waiting for the processes of the run that just ended to finish stopping", d)
+                    said = True
+                time.sleep(0.2)
+                continue
             try:  # the file we locked must still be the one at the path (a holder may have just removed it)
-                same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+                if os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino:
+                    break
             except FileNotFoundError:
-                same = False
-            if same:
-                break
+                pass
             os.close(fd)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                 "command": " ".join(["mega-async", *sys.argv[1:]])[:300]}
@@ -103,6 +101,33 @@ class RunDirLock:
         self.release()
 
 
+def _open(path: Path) -> int:
+    try:  # O_NOFOLLOW: a link planted at run.lock is refused, not followed (and never truncated)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunDirLockError(f"{path}: is a symbolic link; a run directory must hold its own files: remove it, "
+                                  "or choose another trial_name") from None
+        raise
+
+
+def _flock(fd: int, path: Path) -> str:
+    """"locked", "busy" (another holder) or "unsupported" (a filesystem without locks: warned once here)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "locked"
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return "busy"
+        if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            logger.warning("%s: this filesystem does not support locks (%s); a second run on the same directory "
+                           "would not be refused", path, e.strerror)
+            return "unsupported"
+        os.close(fd)
+        raise
+
+
 def holder(run_dir: str | Path) -> dict:
     """The lock file's record of the run holding it ({} when unreadable)."""
     try:
@@ -118,8 +143,8 @@ def in_use_message(run_dir: Path) -> str:
     who = (f"pid {h.get('pid', '?')} on host {h.get('host', '?')}, started {h.get('started', '?')}"
            + (f": {h['command']}" if h.get("command") else ""))
     if _ended_here(h):  # its command is gone, what it started still holds the lock while it stops
-        return (f"run directory {run_dir} is still held by the processes of a run that just ended ({who}); they "
-                "end within seconds: try again")
+        return (f"run directory {run_dir} is still held by processes of a run that ended ({who}): find them with "
+                f"`fuser {run_dir / LOCK_FILE}` and stop them")
     return (f"run directory {run_dir} is in use by another run ({who}); wait for it to end or stop it "
             f"(kill {h.get('pid', '<pid>')}), or choose another trial_name")
 
