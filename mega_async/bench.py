@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import yaml
 
 from mega_async import bench_gate
-from mega_async.launch.lifeline import child_preexec
+from mega_async.lifeline import child_preexec
 
 logger = logging.getLogger("mega_async.bench")
 

@@ -29,7 +29,7 @@ import torch
 from mega_async.checkpoint_check import (check_model_dir, check_run_dir, read_trainer_json, validate_checkpoint,
                                          write_manifest)
 from mega_async.diskspace import DiskFull, free_bytes, human, out_of_space
-from mega_async.launch.lifeline import guard_checkpoint_writer
+from mega_async.lifeline import guard_checkpoint_writer
 from mega_async.safe_load import CheckpointError, dist_load, safe_torch_load
 
 __all__ = ["CheckpointError", "check_dist_checkpoint", "checkpoint_path", "checked_resume_point", "latest_checkpoint",

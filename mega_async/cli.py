@@ -59,7 +59,8 @@ def _cmd_init_weights(argv: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from mega_async.launch import lifeline, local
+    from mega_async import lifeline
+    from mega_async.launch import local
 
     if local.under_launcher():  # a rank: it ends with the command or agent that started it, however they end
         lifeline.watch_launcher()

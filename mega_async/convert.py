@@ -61,7 +61,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     from mega_async.bridge import HFTensors, load_hf_weights
-    from mega_async.launch.lifeline import guard_checkpoint_writer
+    from mega_async.lifeline import guard_checkpoint_writer
     from mega_async.trainer.model import build_model
 
     src, out = Path(hf_dir), Path(out_dir)

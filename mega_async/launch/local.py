@@ -4,7 +4,7 @@ under torchrun or srun (many hosts) every rank runs the same command unchanged.
 A failure on any rank stops all ranks (torchrun stops the others; servers die with rank 0) and the
 command exits non-zero with the first failing rank's error in one line ("trainer rank 1 was killed by
 SIGKILL" when a signal ended it). Whatever ends the command ends its whole tree within about a second:
-torchrun has a parent-death signal and every rank watches the command (mega_async.launch.lifeline).
+torchrun has a parent-death signal and every rank watches the command (mega_async.lifeline).
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from mega_async.launch import lifeline
+from mega_async import lifeline
 
-ERROR_DIR_ENV = "MEGA_ASYNC_ERROR_DIR"
+ERROR_DIR_ENV = lifeline.ERROR_DIR_ENV
 RUN_LOCK_ENV = "MEGA_ASYNC_RUN_LOCKED"  # the run directory whose lock the launching command holds for the ranks
 PREEMPT_SIGNAL = signal.SIGUSR1  # "checkpoint at the next step boundary and stop" (Slurm's --signal)
 _HARD = ("SIGKILL", "SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE")  # never torchrun's own way of stopping

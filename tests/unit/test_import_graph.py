@@ -8,7 +8,7 @@ PKG = ROOT / "mega_async"
 
 # lowest first; a module may import from its own layer or below (a package's modules share its layer)
 LAYERS = [
-    {"types", "events", "diskspace", "allocation", "comm", "safe_load", "config"},
+    {"types", "events", "diskspace", "lifeline", "allocation", "comm", "safe_load", "config"},
     {"algo", "packing", "data", "reward", "bridge", "model_cards"},
     {"rollout", "inference"},
     {"trainer", "checkpoint", "checkpoint_check", "convert"},

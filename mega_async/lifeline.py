@@ -24,8 +24,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-logger = logging.getLogger("mega_async.launch.lifeline")
+logger = logging.getLogger("mega_async.lifeline")
 
+ERROR_DIR_ENV = "MEGA_ASYNC_ERROR_DIR"  # where each rank of a local launch writes its one-line error
 LAUNCHER_ENV = "MEGA_ASYNC_LAUNCHER"  # "<pid>:<start>" of the `mega-async train` that started torchrun
 POLL_S = 0.25
 _PR_SET_PDEATHSIG = 1
