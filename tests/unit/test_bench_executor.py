@@ -109,6 +109,12 @@ def test_stats_count_generated_tokens_and_realized_staleness():
         for _ in range(2 * B):  # capacity (1 + 0 + 1) * B: all admitted at version 0
             ex.submit({"input_ids": [1, 2]})
         first = ex.wait(B, timeout=10)
+        # admission runs on the executor's thread: on a loaded machine an episode not yet admitted when the
+        # version moves would start at version 1 (head 1, realized staleness 0). Move it once all 2B are in.
+        deadline = time.monotonic() + 30
+        while ex.stats["submitted"] < 2 * B and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ex.stats["submitted"] == 2 * B, ex.stats
         ex.set_version(1)
         second = ex.wait(B, timeout=10)
         st = ex.stats
