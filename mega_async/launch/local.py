@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -252,10 +253,26 @@ def _write_note(ext: str, line: str) -> None:
             f.write(line + "\n")
 
 
+def _in_finalizer(frame: Any) -> bool:
+    """The signal arrived inside a finalizer (an object's __del__, a weakref callback): an exception raised there
+    is printed as "Exception ignored" and lost, and the run would go on as if nothing had been asked."""
+    depth = 0
+    while frame is not None and depth < 64:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith(("weakref.py", "_weakrefset.py")):
+            return True
+        frame, depth = frame.f_back, depth + 1
+    return False
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (torchrun stopping the other ranks, a scheduler) and SIGHUP (a closed terminal) raise
-    StoppedByLauncher, so `finally` blocks run (servers stop)."""
-    def handler(signum: int, frame: object) -> None:
+    StoppedByLauncher, so `finally` blocks run (servers stop). A signal that lands in a finalizer (where the
+    exception would be swallowed: a SIGHUP once left a run training on) is delivered again 50 ms later."""
+    def handler(signum: int, frame: Any) -> None:
+        if _in_finalizer(frame):
+            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+            return
         raise StoppedByLauncher(signum)
 
     for s in stop_signals():

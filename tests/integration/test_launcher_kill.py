@@ -38,8 +38,11 @@ def train_cmd(model: Path, tmp: Path, allocation: str, *extra: str) -> list[str]
 def start(model: Path, tmp: Path, allocation: str) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:
     """The job, once it finished a step and wrote a checkpoint (Megatron's writer exists then), with its tree."""
     with open(tmp / "stderr.txt", "w") as err:  # a file, not a pipe: a leftover holding it cannot block the test
+        # SIGHUP's default disposition: a CI started under nohup passes SIG_IGN down, and an ignored SIGHUP is
+        # rightly left ignored by the command
         p = subprocess.Popen(train_cmd(model, tmp, allocation), stdout=subprocess.DEVNULL, stderr=err,
-                             start_new_session=True, env=ENV)
+                             start_new_session=True, env=ENV,
+                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     run = tmp / "runs" / "tiny_cpu" / "run0"
     deadline = time.monotonic() + 400
     while not (steps(run) and list((run / "checkpoints").glob("step_*[0-9]"))):

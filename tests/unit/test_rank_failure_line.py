@@ -3,8 +3,10 @@ signal that killed it, not torchrun's exit code; a stop by a signal in words, no
 import json
 import os
 import signal
+import threading
 import time
 
+import pytest
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from mega_async.launch import local
@@ -71,3 +73,31 @@ def test_a_stop_by_signal_reads_in_words():
                                                             "system)")
     assert str(local.StoppedByLauncher(signal.SIGHUP)) == "stopped by SIGHUP (its terminal or ssh session closed)"
     assert local.StoppedByLauncher(signal.SIGTERM).code == 143
+
+
+class _SlowFinalizer:
+    def __del__(self):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 0.6:  # busy in the finalizer when the signal comes
+            pass
+
+
+def test_a_stop_signal_that_lands_in_a_finalizer_is_not_lost():
+    """A SIGHUP that arrived while an asyncio transport's __del__ ran was raised there, printed as "Exception
+    ignored" and lost: the run trained on. The handler now delivers it again once out of the finalizer."""
+    from mega_async.launch import local
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        local.stop_on_sigterm()
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGHUP)).start()
+        with pytest.raises(local.StoppedByLauncher) as e:
+            obj = _SlowFinalizer()
+            del obj  # the signal arrives inside __del__
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # the redelivered signal raises here
+                time.sleep(0.01)
+        assert e.value.signum == signal.SIGHUP
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
