@@ -135,7 +135,10 @@ class PreemptFlag:
         return self.requested
 
 
-def _interrupt(signum: int, frame: object) -> None:
+def _interrupt(signum: int, frame: Any) -> None:
+    if _in_finalizer(frame):  # raised there it would be lost: deliver it again once out of the finalizer
+        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+        return
     raise LauncherSignal(signum)  # a SIGTERM/SIGHUP to this command stops the ranks as Ctrl-C does
 
 
