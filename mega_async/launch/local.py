@@ -136,10 +136,8 @@ class PreemptFlag:
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    if _in_finalizer(frame):  # raised there it would be lost: deliver it again once out of the finalizer
-        threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-        return
-    raise LauncherSignal(signum)  # a SIGTERM/SIGHUP to this command stops the ranks as Ctrl-C does
+    if not _redelivered_from_finalizer(signum, frame):
+        raise LauncherSignal(signum)  # a SIGTERM/SIGHUP to this command stops the ranks as Ctrl-C does
 
 
 def _stop(proc: subprocess.Popen, grace: float = 60.0) -> None:
@@ -268,15 +266,21 @@ def _in_finalizer(frame: Any) -> bool:
     return False
 
 
+def _redelivered_from_finalizer(signum: int, frame: Any) -> bool:
+    """A stop signal that landed in a finalizer is sent again 50 ms later (raised there it would be lost); True then."""
+    if not _in_finalizer(frame):
+        return False
+    threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
+    return True
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (torchrun stopping the other ranks, a scheduler) and SIGHUP (a closed terminal) raise
     StoppedByLauncher, so `finally` blocks run (servers stop). A signal that lands in a finalizer (where the
     exception would be swallowed: a SIGHUP once left a run training on) is delivered again 50 ms later."""
     def handler(signum: int, frame: Any) -> None:
-        if _in_finalizer(frame):
-            threading.Timer(0.05, os.kill, (os.getpid(), signum)).start()
-            return
-        raise StoppedByLauncher(signum)
+        if not _redelivered_from_finalizer(signum, frame):
+            raise StoppedByLauncher(signum)
 
     for s in stop_signals():
         signal.signal(s, handler)
