@@ -97,6 +97,7 @@ class InferenceService:
                  cpu_share: float = 1.0, events: Any = None):
         self.cfg = cfg
         self.launcher: Any = None
+        self._supervisor: Optional[ServerSupervisor] = None  # set before any return: close() reads it
         self.tokenizer: Any = None
         self.vocab_size = 64
         self.addresses: list[str] = []
@@ -142,7 +143,6 @@ class InferenceService:
         self.engine = SGLangClient(addresses, api_key=api_key(cfg), request_timeout=inf.request_timeout,
                                    max_retries=inf.max_retries, unhealthy_timeout=inf.unhealthy_timeout,
                                    version=version, events=events)
-        self._supervisor: Optional[ServerSupervisor] = None
         if self.launcher is not None:
             self._supervisor = ServerSupervisor(self.launcher, self.engine, inf.max_server_restarts, events=events)
 
