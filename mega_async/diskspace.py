@@ -9,14 +9,16 @@ last line all the same (a process killed mid-write, a log written before this ru
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
-__all__ = ["DiskFull", "append_line", "free_bytes", "human", "named", "out_of_space", "read_jsonl"]
+__all__ = ["DiskFull", "append_line", "free_bytes", "human", "named", "out_of_space", "read_jsonl", "replaced"]
 
 _FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, over the file-size limit
 
@@ -113,6 +115,25 @@ def append_line(fd: int, data: bytes, path: str | os.PathLike) -> None:
             except OSError:
                 pass
         raise named(e, path) from e
+
+
+@contextlib.contextmanager
+def replaced(path: str | os.PathLike) -> Iterator[Path]:
+    """Write a whole file or nothing: yields a fresh temporary path next to `path` (a name no other writer uses)
+    for the caller to write, then renames it over `path`. On any error the temporary file is removed and `path`
+    keeps its old content, so a reader (or a second writer of the same file) never sees half of it."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, DiskFull):
+            raise named(e, path) from e
+        raise
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from mega_async.diskspace import append_line
+from mega_async.diskspace import append_line, replaced
 
 logger = logging.getLogger("mega_async.events")
 
@@ -203,8 +203,11 @@ def draw_timeline(events_path: str | os.PathLike, out_png: str | os.PathLike) ->
     ax_r.set_title("Timeline: rollout, training and weight syncs")
     fig.tight_layout()
     out = Path(out_png)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    try:
+        with replaced(out) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return out
 
 

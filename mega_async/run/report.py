@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mega_async.diskspace import read_jsonl
+from mega_async.diskspace import read_jsonl, replaced
 
 logger = logging.getLogger("mega_async.run.report")
 
@@ -190,7 +190,7 @@ def plot_run(history: Sequence[dict], out: str | Path, title: str = "") -> Path:
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=90)
+    fig.savefig(out, dpi=90, format="png")
     plt.close(fig)
     return out
 
@@ -200,8 +200,11 @@ def write_report(run_dir: str | Path, reward_threshold: float = 0.8) -> tuple[Pa
     run_dir = Path(run_dir)
     history = read_metrics(run_dir)
     s = summarize(history, reward_threshold)
-    (run_dir / "summary.json").write_text(json.dumps(s, indent=1) + "\n")
-    png = plot_run(history, run_dir / "report.png", title=str(run_dir))
+    with replaced(run_dir / "summary.json") as tmp:  # whole or not at all, never half of one a reader opens
+        tmp.write_text(json.dumps(s, indent=1) + "\n")
+    with replaced(run_dir / "report.png") as tmp:
+        plot_run(history, tmp, title=str(run_dir))
+    png = run_dir / "report.png"
     from mega_async.events import draw_run_timeline
 
     draw_run_timeline(run_dir)  # timeline.png from events.jsonl: rollout and training lanes, weight syncs

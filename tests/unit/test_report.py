@@ -76,6 +76,30 @@ def test_write_report_png_and_table(tmp_path):
         read_metrics(tmp_path / "nope")
 
 
+def test_a_report_that_fails_midway_leaves_the_last_whole_one(tmp_path, monkeypatch):
+    """summary.json and report.png are replaced whole: a plot that fails (a full disk, a killed process) keeps the
+    previous report and leaves no temporary file behind (before: summary.json was rewritten in place and a failed
+    savefig left a truncated report.png)."""
+    import mega_async.run.report as report
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history(5)))
+    write_report(tmp_path)
+    before = {n: (tmp_path / n).read_bytes() for n in ("summary.json", "report.png")}
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history(7)))
+
+    def broken(history, out, title=""):
+        with open(out, "wb") as f:
+            f.write(b"\x89PNG half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "plot_run", broken)
+    with pytest.raises(OSError, match="report.png"):
+        write_report(tmp_path)
+    assert (tmp_path / "report.png").read_bytes() == before["report.png"]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 7  # written whole before the plot
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "report.png", "summary.json"]
+
+
 def _record(name, level, msg="m", **extra):
     r = logging.LogRecord(name, level, __file__, 1, msg, None, None)
     r.__dict__.update(extra)
