@@ -101,6 +101,29 @@ class RunDirLock:
         self.release()
 
 
+def refuse_if_in_use(run_dir: str | Path) -> None:
+    """Raise RunDirInUse (one line naming the holder) when a live run holds `run_dir`, without creating or taking
+    anything: for commands that prepare a run elsewhere (`mega-async launch slurm`) and must not touch a
+    directory another run owns. A directory without a lock file, or on a filesystem without locks, passes."""
+    path = Path(run_dir) / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RunDirLockError(f"{path}: is a symbolic link; a run directory must hold its own files: remove it, "
+                                  "or choose another trial_name") from None
+        raise
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunDirInUse(in_use_message(Path(run_dir))) from None
+    finally:
+        os.close(fd)  # the probe's lock (if taken) goes with the descriptor
+
+
 def _open(path: Path) -> int:
     try:  # O_NOFOLLOW: a link planted at run.lock is refused, not followed (and never truncated)
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)

@@ -1,8 +1,10 @@
 """`mega-async launch slurm --dry-run`: the recipes validate and render (allocation fits the model, servers
 fit the GPUs), the script is valid bash with the right steps; CPU differences come from the config alone."""
 import dataclasses
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,27 @@ def test_submit_refuses_before_sbatch(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "has a config but no weights: download the checkpoint there" in err
     assert not (tmp_path / "gpu").exists()
+
+
+def test_submit_refuses_a_run_directory_a_live_run_holds(tmp_path, capsys):
+    """A run live on the directory (its driver holds run.lock): refused in one line naming the holder, before
+    job.sbatch is rewritten or a job is queued (before: job.sbatch was overwritten and a doomed job submitted)."""
+
+    run = tmp_path / "runs" / "gsm8k_tiny_cpu" / "run0"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "job.sbatch").write_text("#!/bin/bash\n# the live run's job\n")
+    hold = ("import sys, time; from mega_async.run.lock import RunDirLock; RunDirLock.acquire(sys.argv[1]); "
+            "print('held', flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", hold, str(run)], stdout=subprocess.PIPE, text=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert p.stdout.readline().strip() == "held"
+        rc = main(["launch", "slurm", "-c", str(ROOT / "configs" / "gsm8k_tiny_cpu.yaml"), "--nodes", "1",
+                   "--gpus-per-node", "2", f"logging.root_dir={tmp_path / 'runs'}", "trainer.resume=auto"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and "is in use by another run" in err and f"pid {p.pid}" in err and "\n" not in err
+        assert (run / "slurm" / "job.sbatch").read_text() == "#!/bin/bash\n# the live run's job\n"
+        assert sorted(f.name for f in (run / "slurm").iterdir()) == ["job.sbatch"]
+    finally:
+        p.kill()
+        p.wait()

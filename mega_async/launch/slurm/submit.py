@@ -103,11 +103,14 @@ def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
     from mega_async.model_cards import ensure_weights, has_weights
 
     from mega_async.checkpoint import resume_point
+    from mega_async.diskspace import replaced
+    from mega_async.run.lock import refuse_if_in_use
 
     run_dir = (workdir / cfg.run_dir).resolve()
     # the first run of the job starts under trainer.resume (requeued runs add trainer.resume=auto): a run
     # directory that already holds another run is refused here, before anything is submitted
     resume_point(run_dir, cfg.trainer.resume)
+    refuse_if_in_use(run_dir)  # a live run owns it: refused before its job.sbatch is touched or a job queued
     if not has_weights(cfg.model.path):
         if cfg.inference.backend == "sglang":
             raise LaunchError(f"model.path={cfg.model.path} has a config but no weights: download the checkpoint "
@@ -116,7 +119,8 @@ def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
     path = run_dir / "slurm" / "job.sbatch"
-    path.write_text(script)
+    with replaced(path) as tmp:
+        tmp.write_text(script)
     try:
         r = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True, cwd=workdir,
                            timeout=120)
@@ -139,6 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"mega-async launch: {what}; the one there is: slurm (mega-async launch slurm -h)", file=sys.stderr)
         return 2
     from mega_async.checkpoint import CheckpointError
+    from mega_async.run.lock import RunDirLockError
 
     args = parser().parse_args(argv[1:])
     workdir = Path.cwd()
@@ -148,7 +153,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(script, end="")
             return 0
         job, path = submit(cfg, script, workdir)
-    except (ConfigError, AllocationError, LaunchError, FileNotFoundError, CheckpointError) as e:
+    except (ConfigError, AllocationError, LaunchError, FileNotFoundError, CheckpointError, RunDirLockError) as e:
         print(f"mega-async launch slurm: {e}", file=sys.stderr)
         return 2
     run_dir = (workdir / cfg.run_dir).resolve()
