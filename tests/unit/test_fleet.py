@@ -281,6 +281,34 @@ def test_fleet_processes_serve_many_servers_without_torch(tmp_path):
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
 
 
+def test_fleet_workers_end_with_the_process_that_started_them(tmp_path):
+    """kill -9 of a benchmark or test that started a fleet leaves no worker serving (before: they kept running,
+    ports held, until someone found them)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time; from mega_async.inference.fleet import Fleet, FleetConfig; "
+            "f = Fleet(2, FleetConfig(), procs=2); f.start(); "
+            "print(' '.join(str(p.pid) for p in f._workers), flush=True); time.sleep(120)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(x) for x in p.stdout.readline().split()]
+        assert len(workers) == 2
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 30
+    alive = workers
+    while alive and time.monotonic() < deadline:
+        alive = [w for w in alive if os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z"]
+        time.sleep(0.1)
+    for w in alive:
+        os.kill(w, signal.SIGKILL)
+    assert alive == [], f"fleet workers {alive} outlived the process that started them"
+
+
 def test_many_requests_over_one_loop(fleet):
     async def main():
         import aiohttp
