@@ -169,3 +169,48 @@ def test_a_header_or_body_that_does_not_arrive_in_time_is_cut_off(tiny_server):
             rest += s.recv(65536)
         assert head.startswith(b"HTTP/1.1 200") and len(json.loads(rest)["output_ids"]) == 2, out
     s.close()
+
+
+@pytest.mark.parametrize("tiny_server", [("--body-timeout", "30", "--max-body-bytes", "4000000")], indirect=True)
+def test_request_bodies_held_at_once_are_bounded(tiny_server):
+    """Bodies are counted from their Content-Length before a byte is read: with 3 MB being received, a second 3 MB
+    body (past the 4 MB budget) is answered 503 + Retry-After at once, unread, while small requests go on; when
+    the first ends (its client gone) the budget is back. Before: 1,000 connections each sending 64 MiB would hold
+    64 GB (client_max_size is per request)."""
+    port, _ = tiny_server
+    big = b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 3000000\r\n\r\n"
+
+    def answer(s: socket.socket) -> bytes:
+        out = b""
+        while b"\r\n\r\n" not in out:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            out += chunk
+        return out
+
+    s1 = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s1.sendall(big + b'{"input_ids": [5, 6], ')  # held: 3 MB of budget while the rest never comes
+    time.sleep(0.5)
+    s2 = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s2.sendall(big)
+    out = answer(s2)
+    s2.close()
+    assert out.startswith(b"HTTP/1.1 503") and b"Retry-After: 1" in out, out[:300]
+    body = json.dumps({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:  # a small body still fits beside the held 3 MB
+        assert r.status == 200 and len(json.loads(r.read())["output_ids"]) == 2
+    s1.close()  # its handler ends: the 3 MB go back
+    pad = b'{"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 1}, "rid": "'
+    whole = pad + b"r" * (3000000 - len(pad) - 2) + b'"}'
+    for _ in range(50):  # the server notices the closed connection within a moment
+        s3 = socket.create_connection(("127.0.0.1", port), timeout=30)
+        s3.sendall(big + whole)
+        out = answer(s3)
+        s3.close()
+        if not out.startswith(b"HTTP/1.1 503"):
+            break
+        time.sleep(0.2)
+    assert out.split(b"\r\n", 1)[0] in (b"HTTP/1.1 200 OK", b"HTTP/1.1 400 Bad Request"), out[:300]

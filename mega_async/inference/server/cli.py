@@ -63,6 +63,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-connections", type=int, default=0,
                    help="client connections open at once (default: the open-file limit, raised to its hard limit, "
                         "less a reserve); past it a new connection closes the one waiting longest for its request")
+    p.add_argument("--max-body-bytes", type=int, default=ConnectionLimits.max_body_bytes,
+                   help="bytes of request bodies held at once over all connections (default 1 GiB); a request that "
+                        "would pass it is answered 503 with Retry-After, its body unread")
     p.add_argument("--log-level", default="INFO")
     return p.parse_args(argv)
 
@@ -82,7 +85,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if untested_reason(args.sglang_version):
         raise SystemExit(f"--sglang-version {args.sglang_version}: {untested_reason(args.sglang_version)}; "
                          f"give one of {TESTED_RANGE}")
-    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
+    limits = ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections,
+                              max_body_bytes=args.max_body_bytes)
     try:
         limits.validate()
     except ValueError as e:

@@ -39,12 +39,16 @@ class ConnectionLimits:
     body_timeout: float = 60.0  # seconds to send a request's body, once the handler reads it
     max_connections: int = 0  # open at once; 0: from the open-file limit (see `connection_cap`)
     keepalive_timeout: float = 75.0  # seconds an idle kept-alive connection stays open (aiohttp's run_app default)
+    max_body_bytes: int = 1 << 30  # request bodies held at once (received or being received), all connections
 
     def validate(self) -> None:
         for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
             v = getattr(self, name)
             if not v > 0:  # NaN too
                 raise ValueError(f"{name}={v}: must be a positive number of seconds")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes={self.max_body_bytes}: must be at least 1 (bytes of request bodies held "
+                             "at once)")
         if self.max_connections < 0:
             raise ValueError(f"max_connections={self.max_connections}: must be at least 0 (0: from the open-file "
                              "limit)")
@@ -251,7 +255,12 @@ def _phase(request: web.Request, phase: str) -> None:
 
 def middlewares(limits: ConnectionLimits, authenticate: Any) -> list:
     """[track, authenticate, read_body]: `track` marks where the connection is (outermost), `read_body` reads the
-    body of an authenticated request within `body_timeout` (408 and the connection closed past it)."""
+    body of an authenticated request within `body_timeout` (408 and the connection closed past it), holding at
+    most `max_body_bytes` of bodies at once over all connections: a body is counted from before its first byte is
+    read (its Content-Length, or the app's client_max_size when unknown) until its handler ends; one that would
+    pass the budget is answered 503 with Retry-After, unread (a lone body is always admitted, up to
+    client_max_size). Without it, a thousand connections each sending 64 MiB would hold 64 GiB."""
+    held = [0]
 
     @web.middleware
     async def track(request: web.Request, handler: Any) -> web.StreamResponse:
@@ -263,25 +272,43 @@ def middlewares(limits: ConnectionLimits, authenticate: Any) -> list:
 
     @web.middleware
     async def read_body(request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.can_read_body:
-            try:
-                await asyncio.wait_for(request.read(), limits.body_timeout)  # kept: request.json() reads it again
-            except asyncio.TimeoutError:
-                guard = getattr(request.protocol, "_guard", None)
-                if guard is not None:
-                    guard.note("body")
-                resp = web.json_response({"error": f"request body not received within {limits.body_timeout:g}s"},
-                                         status=408)
-                resp.force_close()
-                await resp.prepare(request)
-                await resp.write_eof()
-                if request.transport is not None:  # flushed, then closed: no lingering read of the rest
-                    request.transport.close()
-                return resp
-            except web.HTTPException:  # 413 past client_max_size
-                raise
-            except Exception:  # noqa: BLE001 - a broken body: the handler reads it again and says so, as before
-                pass
+        if not request.can_read_body:
+            _phase(request, "handling")
+            return await handler(request)
+        size = request.content_length
+        if size is None:
+            size = request.app._client_max_size or limits.max_body_bytes
+        if held[0] and held[0] + size > limits.max_body_bytes:
+            resp = web.json_response({"error": f"server busy: {held[0] >> 20} MiB of request bodies held, this "
+                                      f"one's {size >> 20} MiB would pass its {limits.max_body_bytes >> 20} MiB "
+                                      "(--max-body-bytes); retry"}, status=503, headers={"Retry-After": "1"})
+            resp.force_close()  # its body is never read
+            return resp
+        held[0] += size
+        try:
+            return await _read_then_handle(request, handler)
+        finally:
+            held[0] -= size
+
+    async def _read_then_handle(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            await asyncio.wait_for(request.read(), limits.body_timeout)  # kept: request.json() reads it again
+        except asyncio.TimeoutError:
+            guard = getattr(request.protocol, "_guard", None)
+            if guard is not None:
+                guard.note("body")
+            resp = web.json_response({"error": f"request body not received within {limits.body_timeout:g}s"},
+                                     status=408)
+            resp.force_close()
+            await resp.prepare(request)
+            await resp.write_eof()
+            if request.transport is not None:  # flushed, then closed: no lingering read of the rest
+                request.transport.close()
+            return resp
+        except web.HTTPException:  # 413 past client_max_size
+            raise
+        except Exception:  # noqa: BLE001 - a broken body: the handler reads it again and says so, as before
+            pass
         _phase(request, "handling")
         return await handler(request)
 
