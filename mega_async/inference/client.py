@@ -13,6 +13,7 @@ it). A server that answers 5xx more than `max_retries` times in a row is dropped
 from __future__ import annotations
 
 import asyncio
+import codecs
 import collections
 import contextlib
 import errno
@@ -200,6 +201,7 @@ def _out_of_files(e: BaseException) -> bool:
 
 CONTROL_PER_SERVER = 8  # connections per server for everything but /generate (probes, pause, weight updates)
 CONNECT_TIMEOUT_S = 30.0  # a TCP connect to a server (not the wait for a free connection of our own)
+MAX_RESPONSE_BYTES = 1 << 30  # one answer's body: a server (or what answers at its address) cannot fill our memory
 
 
 def connection_budget(servers: int = 1) -> int:
@@ -419,11 +421,26 @@ class SGLangClient:
             raise ServerTimeout(server.address, path, limit) from e
 
     @staticmethod
-    async def _send(session: aiohttp.ClientSession, method: str, url: URL, kw: dict) -> tuple[int, Any]:
+    async def _send(session: aiohttp.ClientSession, method: str, url: URL, kw: dict,
+                    cap: int = MAX_RESPONSE_BYTES) -> tuple[int, Any]:
         async with session.request(method, url, **kw) as r:
+            if r.content_length is not None and r.content_length > cap:
+                raise ServerError(f"{url} answered {r.status} with a {r.content_length}-byte body, more than the "
+                                  f"{cap}-byte bound on one answer")
+            body = bytearray()
+            async for chunk in r.content.iter_any():  # a body without Content-Length is bounded as it arrives
+                body += chunk
+                if len(body) > cap:
+                    raise ServerError(f"{url} answered {r.status} with a body past the {cap}-byte bound on one "
+                                      "answer; stopped reading it")
+            enc = r.charset or "utf-8"  # as r.json() and r.text() would decode it (JSON is UTF-8)
+            try:
+                codecs.lookup(enc)
+            except LookupError:  # a charset no codec knows: read it as UTF-8, as the protocol is
+                enc = "utf-8"
             if r.content_type == "application/json":
-                return r.status, await r.json(loads=_loads)
-            return r.status, await r.text()
+                return r.status, _loads(body.decode(enc)) if body.strip() else None
+            return r.status, body.decode(enc, errors="replace")
 
     # ---- server choice and health ----------------------------------------------------------
     def _rebuild_load(self) -> None:
