@@ -119,8 +119,21 @@ class RolloutConfig:
     # (they keep their KV cache of the old weights) | none (no interruption: the sync waits for in-flight
     # requests to finish first; the paper's non-interruptible baseline)
     interrupt: str = "abort"
+    # a control experiment: synchronous training fed batches generated exactly k versions earlier (step s trains
+    # on what version s-k generated; steps s < k on version 0's), from a FIFO of generated batches: no rollout
+    # overlaps a training step, so staleness is the only difference from sync (0: off). Needs max_staleness=0
+    stale_batches: int = 0
+
+    @property
+    def staleness_budget(self) -> int:
+        """The executor's eta: max_staleness, or stale_batches for the FIFO control."""
+        return max(self.max_staleness, self.stale_batches)
 
     def validate(self) -> None:
+        if self.stale_batches < 0 or (self.stale_batches and self.max_staleness):
+            raise ConfigError(f"rollout.stale_batches={self.stale_batches} must be >= 0 and needs "
+                              f"rollout.max_staleness=0 (got {self.max_staleness}): it is synchronous training on "
+                              "k-version-old batches; set one of the two")
         if self.max_consecutive_failures is not None:
             _positive("rollout.max_consecutive_failures", self.max_consecutive_failures)
         _positive("rollout.consumer_batch_size", self.consumer_batch_size)

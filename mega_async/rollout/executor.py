@@ -121,7 +121,7 @@ class WorkflowExecutor:
             engine,
             workflow,
             consumer_batch_size=rollout_cfg.consumer_batch_size,
-            max_staleness=rollout_cfg.max_staleness,
+            max_staleness=getattr(rollout_cfg, "staleness_budget", rollout_cfg.max_staleness),
             max_concurrent_rollouts=rollout_cfg.max_concurrent_rollouts,
             should_accept=should_accept,
             version=version,
@@ -365,6 +365,29 @@ class WorkflowExecutor:
                     )
                 self._raise_if_stuck(B)
                 self._want, self._want_refill = B, True
+                try:
+                    self._cond.wait(self._poll)
+                finally:
+                    self._want, self._want_refill = 0, False
+
+    def fill(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None) -> None:
+        """Generate until this version's staleness budget is spent and nothing runs (a stale-batch FIFO's
+        producer step, rollout.stale_batches): every accepted group it leaves has this version as its head, or an
+        older one, and no episode overlaps the training step that follows. Returns at once when already full."""
+        while True:
+            exhausted = self._refill(dataloader, workflow)
+            with self._cond:
+                self._check_alive()
+                st = self.staleness.stats  # running there counts an admission before its episode registers
+                idle = not self._running_heads and st["running"] == 0 and self._runner.num_running == 0
+                if idle and st["capacity"] <= 0:
+                    return
+                if exhausted and idle and self._runner.num_pending == 0:
+                    raise RuntimeError(f"dataloader exhausted: {len(self._done)} accepted results while filling "
+                                       f"version {self.version}'s budget")
+                if self._runner.paused and idle:
+                    raise RuntimeError("executor is paused with nothing running; call resume() before fill()")
+                self._want, self._want_refill = max(1, len(self._done) + 1), True  # woken when everything ended
                 try:
                     self._cond.wait(self._poll)
                 finally:

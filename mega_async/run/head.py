@@ -54,6 +54,8 @@ class RolloutHead:
     def groups(self) -> list[dict]:
         """The next consumer batch of groups (waits for the executor)."""
         self._t0 = time.monotonic()
+        if self.cfg.rollout.stale_batches:  # the FIFO control: this version's groups first, the oldest out
+            self.ex.fill(self.loader)
         return self.ex.prepare_batch(self.loader)
 
     def record(self, step: int, batch: StepBatch, train: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
