@@ -187,6 +187,16 @@ SETTLE_QUIET_S = 2.0  # settle(): no reply for this long means what is left in f
 KEEPALIVE_S = 4.0
 
 
+# a bucket's receivers finish its broadcast together: one still silent this long after another answered (and at
+# least as long again as that one took, receive and load included) is not receiving it (hung, or never joined)
+JOIN_GRACE_S = 3.0
+
+
+def join_grace(first_took: float) -> float:
+    """How long the other servers of a bucket get after the first one answered."""
+    return max(JOIN_GRACE_S, first_took)
+
+
 def _broken(e: BaseException) -> bool:
     """The connection broke before any answer (not: the server refused it, or a timeout)."""
     return isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
@@ -321,6 +331,7 @@ class SGLangClient:
         self._in_flight = 0  # over every server
         self._served: Optional[str] = None  # the weight_version this client's last weight sync set on the servers
         self._group: Optional[list[_Server]] = None  # the servers of the current weight-update group
+        self.bucket_answered: list[str] = []  # the servers that answered the bucket being sent (the sync reads it)
         # async callable(address): brings one server that came back behind to the current weights (the run's
         # weight sync sets it; None: a behind server waits for the next sync, which includes it)
         self.recover: Any = None
@@ -644,6 +655,13 @@ class SGLangClient:
             why += f"; and {len(self.servers) - 8} more"
         after = f" for {waited:.0f}s" if waited is not None else ""
         return NoHealthyServerError(f"no usable inference server{after} ({why}); check the servers' logs")
+
+    def mark_silent(self, address: str, why: str) -> None:
+        """The sync found this server not taking part (e.g. it acknowledged a bucket it never received): out of
+        generation and of the next sync, as if it gave no answer, until it answers again (then re-admitted behind,
+        at the current version)."""
+        for s in self._named([address]):
+            self._mark_unhealthy(s, why, silent=True)
 
     def _mark_unhealthy(self, s: _Server, why: str, silent: bool = False) -> None:
         """s is out of generation (and of the next sync) until it answers again; `silent`: it gave no answer at
@@ -1052,8 +1070,45 @@ class SGLangClient:
             body["weight_version"] = str(version)
         if load_format is not None:
             body["load_format"] = load_format
-        await self._post_all("/update_weights_from_distributed", body, timeout=timeout,
-                             servers=self._group if self._group is not None else self.sync_targets())
+        servers = self._group if self._group is not None else self.sync_targets()
+        self.bucket_answered = []
+        if not names or len(servers) < 2:
+            await self._post_all("/update_weights_from_distributed", body, timeout=timeout, servers=servers)
+            self.bucket_answered = [s.address for s in servers]
+            return
+        await self._bucket_to_all(body, servers, timeout)
+
+    async def _bucket_to_all(self, body: dict, servers: list[_Server], timeout: Optional[float]) -> None:
+        """One bucket to every server of the group; a server that has not answered `join_grace(t)` after another
+        answered (t: how long that one took, receive and load included) has not received the broadcast the others
+        did: it is marked silent (out of this sync and of generation until it answers again) and named, instead of
+        being waited for until `timeout`. The first refusal is raised as it comes."""
+        t0 = time.monotonic()
+        tasks = {asyncio.ensure_future(self._post_all("/update_weights_from_distributed", body, timeout=timeout,
+                                                      servers=[s])): s for s in servers}
+        pending, first = set(tasks), None
+        try:
+            while pending:
+                wait = None if first is None else max(0.0, first[1] - time.monotonic())
+                done, pending = await asyncio.wait(pending, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a refusal or an unreachable server: raised now
+                    self.bucket_answered.append(tasks[task].address)
+                    if first is None:
+                        took = time.monotonic() - t0
+                        first = (tasks[task], time.monotonic() + join_grace(took), took)
+                if pending and not done:  # the grace after the first answer ran out
+                    late = [tasks[task] for task in pending]
+                    waited = time.monotonic() - t0 - first[2]
+                    for s in late:
+                        self._mark_unhealthy(s, f"/update_weights_from_distributed: no answer {waited:.1f}s after "
+                                             f"{first[0].address} had received the bucket", silent=True)
+                    raise ServerError(f"{', '.join(s.address for s in late)}/update_weights_from_distributed: no "
+                                      f"answer {waited:.1f}s after {first[0].address} had received and loaded the "
+                                      f"bucket ({first[2]:.2f}s): not receiving the broadcast")
+        finally:
+            for task in pending:
+                task.cancel()
 
     async def commit_distributed(self, group_name: str, version: int | str, *, flush_cache: bool = True,
                                  timeout: Optional[float] = None) -> list[str]:
@@ -1131,6 +1186,7 @@ class SGLangClient:
             if s.release is None:
                 version: Any = None
                 embedded = False
+                asked: list[str] = []  # each route's answer so far, for the error
                 for path in ("/server_info", "/get_server_info"):
                     try:
                         status, out = await self._request("GET", s, path, timeout=timeout)
@@ -1146,8 +1202,13 @@ class SGLangClient:
                         self._mark_unhealthy(s, f"{path} answered {status}")
                         if down_ok:
                             return None
+                    if status == 200:  # e.g. sglang-router: 404 to /server_info, a list or text to the other
+                        asked.append(f"{path} answered 200 with {type(out).__name__}, not a JSON object")
+                    else:
+                        asked.append(f"{path} answered {status}: {_error_message(out)[:200]}")
                     if status != 404:
-                        raise ServerError(f"{s.address}{path} answered {status}: {_error_message(out)}")
+                        raise ServerError(f"{s.address}: cannot learn its SGLang release: {'; '.join(asked)} (a "
+                                          "router in front of the servers? give the trainer the servers themselves)")
                 s.release = Release.of(version, embedded)
                 why = untested_reason(version)
                 if why and s.release.sessions is not None:

@@ -81,6 +81,9 @@ class WeightSync(Verification):
         self.flush_cache = interrupt != "in_place"  # SGLang 0.5.21+ fails an update whose flush finds requests
         self.fp8_block: Optional[tuple[int, int]] = None  # FP8 block quantization on the way (disk, distributed)
         self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last verify
+        self._replies: list = []  # rank 0: the last verify's (server, /weights_checker reply)
+        self._flavors: dict = {}  # rank 0: how each server holds its weights (dtype, hash), learned once
+        self._warned_skip: list[str] = []  # the servers last said not to be compared with the trainer's digest
         self._targets: list[str] = []  # rank 0: the servers of the current (or last) push
         self.temperature = temperature
         self._loop = HttpLoop()
@@ -151,15 +154,19 @@ class WeightSync(Verification):
         crashed again during the one retry, and one push met five crashes); any other failure is raised
         at once."""
         start = self.version.value
+        first: Optional[SyncError] = None  # the failure that took the first server out: said with any later one
         for attempt in range(1, PUSH_ATTEMPTS + 1):
             try:
                 return self._push_once(probe=attempt == 1)  # a retry does not wait on the server it just lost
             except SyncError as e:
+                if first is not None and str(first) not in str(e):
+                    e = SyncError(f"{e} (after an earlier attempt: {first})")
+                first = first or e
                 if self.version.value != start or attempt == PUSH_ATTEMPTS:  # committed (a verify failed after
-                    raise                                                     # it), or out of attempts
+                    raise e                                                   # it), or out of attempts
                 lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
                 if not lost:
-                    raise
+                    raise e
                 if self.rollout is not None:
                     logger.warning("weight sync failed while server(s) %s went down or hung (%s); syncing again "
                                    "without them (attempt %d of %d)", ", ".join(lost), str(e)[:600], attempt + 1,

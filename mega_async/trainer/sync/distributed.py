@@ -15,6 +15,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
+from mega_async.inference.client import join_grace
 from mega_async.trainer.sync.bracket import WeightSync
 from mega_async.trainer.sync.common import (SLACK_S, PhaseTimeout, RolloutSide, SyncError, agree, fp8_block_of,
                                              from_rank0, future_result, rank)
@@ -25,7 +26,10 @@ logger = logging.getLogger("mega_async.trainer.sync")
 
 
 DATA_PLANES = ("broadcast", "none")  # DistributedWeightSync(data_plane=...): none = the fleet benchmark's seam
-NO_DATA_PLANE = object()  # the weight-update "group" of data_plane="none": nothing is joined
+NO_DATA_PLANE = object()
+# a bucket that no server answered and whose broadcast has not completed after this many times the slowest bucket so
+# far (at least join_grace) is not being received: the servers of the group are named and taken out
+STUCK_FACTOR = 4.0  # the weight-update "group" of data_plane="none": nothing is joined
 
 
 def _fp8_bucket(bucket: Any, block: tuple[int, int], resharder: Any) -> Any:
@@ -82,6 +86,7 @@ class DistributedWeightSync(WeightSync):
         self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
         self._fleet_checked: set[str] = set()  # data_plane="none": servers checked to be simulated ones
         self._group_on_servers = False  # the servers were told of a group this side has left
+        self._slowest_bucket: Optional[float] = None  # the longest a bucket took so far (broadcast and replies)
         if self.resharder.is_stage_head:
             try:
                 from mega_async.inference.client import SGLangClient
@@ -321,22 +326,37 @@ class DistributedWeightSync(WeightSync):
         stats["bucket_s"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1
-        return works, fut, payload
+        return works, fut, payload, bucket, t0
 
     def _finish(self, pending: tuple, stats: dict) -> None:
         """Wait for a bucket's broadcasts while watching the servers' replies, then for every reply.
 
         A server that refuses the bucket (400) answers without joining the broadcast, which then cannot
         complete: its refusal ends the wait at once (the broadcast is abandoned, the group dropped by the
-        failure path), instead of after `trainer.sync_timeout`. A server that hangs gives no reply within
-        `trainer.sync_timeout` (the POST's own timeout): that ends the wait too, naming it."""
-        works, fut, payload = pending[:3]  # the payload must live until the broadcast is done
+        failure path), instead of after `trainer.sync_timeout`. A server that has not answered `join_grace` after
+        another one did is not receiving (the client names it and takes it out); one that hangs gives no reply
+        within `trainer.sync_timeout` (the POST's own timeout). When every server answered 200 and the broadcast
+        is still not complete `join_grace` later, some server acknowledged the bucket without receiving it: the
+        servers whose /weights_checker shows none of the bucket's tensors are named and taken out."""
+        works, fut, payload, bucket, started = pending[:5]  # the payload must live until the broadcast is done
         t0 = time.perf_counter()
+        answered_at = None
+        stuck_after = None if self._slowest_bucket is None else join_grace(STUCK_FACTOR * self._slowest_bucket)
         nap = 2e-4
         while not all(w.is_completed() for w in works):
             if fut.done() and not fut.cancelled() and fut.exception() is not None:
                 self._abandoned.append((works, payload, self.pg))  # gloo may still be sending from these
                 raise SyncError(f"{fut.exception()} (the bucket's broadcast was abandoned)")
+            if fut.done() and answered_at is None:
+                answered_at = time.perf_counter()
+            if answered_at is not None and time.perf_counter() > answered_at + join_grace(answered_at - t0):
+                self._abandoned.append((works, payload, self.pg))
+                raise SyncError(self._acknowledged_without_receiving(bucket, time.perf_counter() - answered_at))
+            if (answered_at is None and stuck_after is not None and not self.client.bucket_answered
+                    and time.perf_counter() > started + stuck_after):
+                fut.cancel()  # no server answered and nothing moves, where earlier buckets took at most a fraction
+                self._abandoned.append((works, payload, self.pg))
+                raise SyncError(self._not_receiving(time.perf_counter() - started))
             # while replies are due, the POST's own timeout (which names the server) comes first
             answered = fut.done()
             if time.perf_counter() > t0 + self.timeout + (0.0 if answered else SLACK_S):
@@ -362,8 +382,49 @@ class DistributedWeightSync(WeightSync):
             raise
         t1 = time.perf_counter()
         future_result(fut, self.timeout + SLACK_S, "the servers' replies to /update_weights_from_distributed")
+        took = time.perf_counter() - started
+        self._slowest_bucket = took if self._slowest_bucket is None else max(self._slowest_bucket, took)
         stats["broadcast_s"] += t1 - t0
         stats["server_s"] += time.perf_counter() - t1
+
+    def _not_receiving(self, waited: float) -> str:
+        """No server of the group answered a bucket nor completed its broadcast in `waited` seconds, STUCK_FACTOR
+        times the slowest bucket so far: the group's servers are not receiving it (their calls still pending). They
+        are taken out (back when they answer again, behind) and named."""
+        members = list(self.client.group_members)
+        for address in members:
+            self.client.mark_silent(address, f"/update_weights_from_distributed: no answer and no broadcast progress "
+                                             f"in {waited:.1f}s")
+        return (f"{', '.join(members)} did not receive the bucket: no answer to /update_weights_from_distributed "
+                f"and the broadcast not complete after {waited:.1f}s, where every bucket so far took at most "
+                f"{self._slowest_bucket:.2f}s (the call still pending; the broadcast was abandoned)")
+
+    def _acknowledged_without_receiving(self, bucket: Any, waited: float) -> str:
+        """Every server answered 200 to a bucket whose broadcast has not completed: name those that did not receive
+        it. A server that did holds the bucket's tensors now (under some dtype and hash, `learn_flavor`); one whose
+        /weights_checker shows none of them did not, and is taken out. With one server, that one."""
+        from mega_async.trainer.sync.digest import holds
+
+        members = list(self.client.group_members)
+        missed = members if len(members) == 1 else []
+        if len(members) > 1:
+            try:
+                replies = self._loop.run(self.client.weights_checksums(self.timeout, members),
+                                         self.timeout + SLACK_S, "/weights_checker")
+                named = list(zip(bucket.names, bucket.tensors))
+                for address, reply in zip(members, replies):
+                    sums = {n: c for r in (reply or {}).get("ranks") or [] for n, c in (r.get("checksums") or {}).items()}
+                    if holds(sums, named, self.num_experts) is False:
+                        missed.append(address)
+            except Exception as e:  # noqa: BLE001 - then every member is a suspect
+                logger.warning("asking the servers which of them received the bucket failed: %s: %s",
+                               type(e).__name__, e)
+        for address in missed:
+            self.client.mark_silent(address, f"/update_weights_from_distributed: acknowledged a bucket without "
+                                             f"receiving its broadcast")
+        who = ", ".join(missed) if missed else f"one of {', '.join(members)} (could not tell which)"
+        return (f"{who} answered 200 to /update_weights_from_distributed but did not receive the bucket's broadcast "
+                f"({waited:.1f}s after every server answered it was still not complete; the broadcast was abandoned)")
 
     def _abort(self) -> None:
         if self.pg is not None:  # closing our end makes the servers' pending receives fail at once

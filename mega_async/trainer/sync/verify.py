@@ -9,6 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mega_async.trainer.sync.common import SLACK_S, SyncError, from_rank0, rank
+from mega_async.trainer.sync.digest import DigestBuilder, compare, learn_flavor
 
 logger = logging.getLogger("mega_async.trainer.sync")
 
@@ -16,22 +17,39 @@ logger = logging.getLogger("mega_async.trainer.sync")
 class Verification:
     """The verify half of WeightSync (mixed in): reads the sync's version, rollout side, loop and targets."""
 
-    def verify(self, prompt_len: int = 6, new_tokens: int = 8) -> float:
-        """Check that every server serves this sync's weights; raises SyncError.
+    def verify(self) -> float:
+        """Check that every server serves this sync's weights; raises SyncError naming the server and what differs.
 
-        probe: every server's logprobs for a fixed prompt equal the trainer's own (`verify_tol`); returns the
-        largest difference. checksum: every server's `/weights_checker` checksum changed since the last verify
-        and servers of one layout agree (real SGLang in bf16, where logprobs differ from the trainer's); returns
-        0. auto: probe when every server is an embedded one and the sync sends the trainer's dtype, else checksum."""
+        probe: every server's logprobs for a crafted probe set equal the trainer's own (`verify_tol`), the probe
+        grown until the trainer's own routing selected every routed expert of every MoE layer (or the experts it
+        never selected named); returns the largest difference. checksum: every server's `/weights_checker`
+        per-tensor checksums equal the trainer's digest of its own weights (`digest.py`), the server reports the
+        sync's version, and (for what the digest cannot rebuild) its checksum changed with the sync and servers
+        of one layout agree; returns 0. auto: probe when every server is an embedded one and the sync sends the
+        trainer's dtype, else checksum."""
         method = self.verify_method
         if method == "auto":
             method = from_rank0(self._auto_method() if self.rollout is not None else None, self.group)
         if method == "checksum":
             verdict = from_rank0(self._verify_checksums() if self.rollout is not None else None, self.group)
+            # the trainer's digest first: it names the server and the tensors, where "unchanged" or "servers
+            # disagree" does not say which tensors (or, between two servers, which of them is wrong)
+            verdict = self._against_trainer() or verdict
             if verdict is not None:
                 raise SyncError(f"verify_sync: {verdict}")
             return 0.0
-        return self._verify_probe(prompt_len, new_tokens)
+        return self._verify_probe()
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        """Routed experts per MoE layer of the trainer's model (None: dense, or no model)."""
+        if not getattr(self, "models", None):
+            return None
+        from mega_async.bridge import bridge_for
+
+        cfg = bridge_for(self.models).hf_config
+        return next((int(v) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                     if (v := getattr(cfg, k, None))), None)
 
     def _verified(self) -> Optional[list[str]]:
         """Rank 0: the servers a verify checks: those of this push that are still up (None: every server)."""
@@ -55,6 +73,7 @@ class Verification:
         """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
         client = self.rollout.client
         addresses = self._verified()
+        self._replies = []
         if addresses == []:
             return "no server of this sync is up to be verified"
         try:
@@ -66,6 +85,8 @@ class Verification:
             return f"/weights_checker failed: {type(e).__name__}: {e}"
         layouts: dict[str, list[tuple[str, str]]] = {}
         for address, reply, info in zip(addresses or client.addresses, replies, infos):
+            if str(info.get("weight_version")) == str(self.version.value) and isinstance(reply, dict):
+                self._replies.append((address, reply))  # compared with the trainer's digest next
             if str(info.get("weight_version")) != str(self.version.value):
                 return (f"server {address} reports weight_version {info.get('weight_version')!r}, "
                         f"expected {self.version.value}")
@@ -83,55 +104,199 @@ class Verification:
         self._checksums = {a: c for same in layouts.values() for a, c in same}
         return None
 
-    def _verify_probe(self, prompt_len: int, new_tokens: int) -> float:
-        probes: Any = None
-        if self.rollout is not None:
-            client = self.rollout.client
-            prompt = [1 + (7 * i) % 97 for i in range(prompt_len)]
-            payload = {"input_ids": prompt, "return_logprob": True,
-                       "sampling_params": {"max_new_tokens": new_tokens, "temperature": self.temperature,
-                                           "ignore_eos": True}}
+    def _against_trainer(self) -> Optional[str]:
+        """Every rank (the export is collective): rank 0 compares each server's per-tensor checksums with the
+        trainer's digest of its own weights, which equal those the sync sent (nothing trains between the push and
+        its verify). Returns rank 0's verdict on every rank."""
+        from mega_async.trainer.weights import export_hf_weights
 
-            chosen = set(self._verified() or client.addresses)
-            index = [i for i, a in enumerate(client.addresses) if a in chosen]
+        plan = self._digest_plan() if self.rollout is not None else None
+        if not from_rank0(plan is not None and bool(plan.servers), self.group):
+            return None
+        try:
+            for name, t in export_hf_weights(self.models):
+                if plan is not None:
+                    plan.add(name, t)
+            verdict = plan.verdict(self.version.value) if plan is not None else None
+        except Exception as e:  # noqa: BLE001 - only rank 0 computes; the verdict is shared below
+            verdict = f"computing the trainer's digest failed: {type(e).__name__}: {e}"
+        return from_rank0(verdict, self.group)
 
-            async def all_servers() -> list:
-                return list(await asyncio.gather(*(client.generate_on(i, payload, timeout=self.timeout)
-                                                   for i in index)))
+    def _digest_plan(self) -> Optional["DigestPlan"]:
+        """Rank 0: the servers (and ranks) whose checksums can be compared with a digest the trainer rebuilds."""
+        replies = getattr(self, "_replies", None) or []
+        if not replies:
+            return None
+        skipped: list[str] = []
+        if self.fp8_block is not None:
+            skipped.append("all (an FP8 sync: the servers hold quantized weights the digest does not rebuild)")
+            replies = []
+        try:
+            infos = self._loop.run(self.rollout.client.server_info(self.timeout, [a for a, _ in replies]),
+                                   self.timeout + SLACK_S, "/server_info") if replies else []
+        except Exception as e:  # noqa: BLE001
+            raise SyncError(f"verify_sync: /server_info failed: {type(e).__name__}: {e}") from e
+        plan = DigestPlan(self.num_experts, self._flavors)
+        for (address, reply), info in zip(replies, infos):
+            why = _not_rebuilt(reply, info)
+            if why:
+                skipped.append(f"{address} ({why})")
+                continue
+            for r in reply.get("ranks") or []:
+                plan.expect(address, r.get("checksums") or {})
+        if skipped and self._warned_skip != skipped:
+            self._warned_skip = skipped
+            logger.warning("verify_sync: not compared with the trainer's digest, only across servers and steps: %s",
+                           "; ".join(skipped))
+        return plan
 
-            try:
-                outs = self._loop.run(all_servers(), self.timeout + SLACK_S, "the verification probe")
-                probes = [(prompt, o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]],
-                           o["meta_info"].get("weight_version")) for o in outs]
-            except Exception as e:  # noqa: BLE001
-                probes = f"probe failed: {type(e).__name__}: {e}"
-        probes = from_rank0(probes, self.group)
-        if isinstance(probes, str):
-            raise SyncError(f"verify_sync: {probes}")
-        from megatron.core import parallel_state as mpu
+    def _verify_probe(self) -> float:
+        """The crafted probe set (`probe_prompts`): each round's prompts to every server, the trainer's logprobs of
+        what each server generated compared with the server's, and the trainer's own routing of those sequences
+        recorded; rounds grow until every routed expert of every MoE layer was selected at least once (at most
+        PROBE_ROUNDS), else the experts never selected are named in a warning and in `sync/verify_uncovered`."""
+        worst, coverage = 0.0, None
+        for round_ in range(PROBE_ROUNDS):
+            probes: Any = None
+            if self.rollout is not None:
+                probes = self._probe_servers(probe_prompts(round_, self.vocab_size))
+            probes = from_rank0(probes, self.group)
+            if isinstance(probes, str):
+                raise SyncError(f"verify_sync: {probes}")
+            from megatron.core import parallel_state as mpu
 
-        # pipeline schedules need at least 2 x PP micro-batches: repeat the probes to fill them
-        rows = max(len(probes), 4 * mpu.get_pipeline_model_parallel_world_size())
-        batch = _probe_batch([probes[i % len(probes)] for i in range(rows)])
-        mine = self._verify_fn(batch)  # collective on every rank
-        verdict: Any = None
-        if rank() == 0:  # rank 0 decides for all (DP replicas may differ in the last bits on GPU)
-            worst, verdict = 0.0, None
-            for i, (prompt, out, lps, version) in enumerate(probes):
-                if str(version) != str(self.version.value):
-                    verdict = f"server {i} reports weight_version {version!r}, expected {self.version.value}"
-                    break
-                want = mine[i, len(prompt):len(prompt) + len(out)]
-                got = torch.tensor([float("-inf") if x is None else float(x) for x in lps])
-                worst = max(worst, float((got - want).abs().max()) if len(out) else 0.0)
-            if verdict is None and worst > self.verify_tol:
-                verdict = (f"server logprobs differ from the trainer's by {worst:.3g} (> {self.verify_tol:g}) "
-                           f"at version {self.version.value}")
-            verdict = verdict or worst
-        verdict = from_rank0(verdict, self.group)
-        if isinstance(verdict, str):
-            raise SyncError(f"verify_sync: {verdict}")
-        return float(verdict)
+            # pipeline schedules need at least 2 x PP micro-batches: repeat the probes to fill them
+            rows = max(len(probes), 4 * mpu.get_pipeline_model_parallel_world_size())
+            batch = _probe_batch([probes[i % len(probes)] for i in range(rows)])
+            with ExpertCoverage(self.models, self.num_experts) as seen:
+                mine = self._verify_fn(batch)  # collective on every rank
+            seen = seen.reduced(self.group)
+            coverage = seen if coverage is None else coverage | seen
+            verdict: Any = None
+            if rank() == 0:  # rank 0 decides for all (DP replicas may differ in the last bits on GPU)
+                verdict, worst = self._probe_verdict(probes, mine, worst)
+            verdict = from_rank0(verdict, self.group)
+            if isinstance(verdict, str):
+                raise SyncError(f"verify_sync: {verdict}")
+            if coverage is None or bool(coverage.all()):
+                break
+        self.last["sync/verify_probe_rounds"] = float(round_ + 1)
+        self.last["sync/verify_uncovered"] = 0.0
+        if coverage is not None and not bool(coverage.all()):
+            missed = [(layer, e) for layer, e in (~coverage).nonzero().tolist()]
+            self.last["sync/verify_uncovered"] = float(len(missed))
+            if rank() == 0:
+                logger.warning("verify_sync: the probe never selected %d routed expert(s), whose weights it did not "
+                               "check: %s", len(missed), ", ".join(f"layer {layer} expert {e}"
+                                                                   for layer, e in missed[:12]))
+        return worst
+
+    @property
+    def vocab_size(self) -> int:
+        from mega_async.bridge import bridge_for
+
+        return int(bridge_for(self.models).hf_config.vocab_size) if getattr(self, "models", None) else 100
+
+    def _probe_servers(self, prompts: list[list[int]]) -> Any:
+        """Rank 0: every prompt on every server of this sync: [(prompt, output, logprobs, version, address)], or
+        the failure as a string."""
+        client = self.rollout.client
+        chosen = set(self._verified() or client.addresses)
+        index = [i for i, a in enumerate(client.addresses) if a in chosen]
+
+        def payload(prompt: list[int]) -> dict:
+            return {"input_ids": prompt, "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": PROBE_NEW_TOKENS, "temperature": self.temperature,
+                                        "ignore_eos": True}}
+
+        async def all_servers() -> list:
+            return list(await asyncio.gather(*(client.generate_on(i, payload(p), timeout=self.timeout)
+                                               for i in index for p in prompts)))
+
+        try:
+            outs = self._loop.run(all_servers(), self.timeout + SLACK_S, "the verification probe")
+        except Exception as e:  # noqa: BLE001
+            return f"probe failed: {type(e).__name__}: {e}"
+        where = [(client.addresses[i], p) for i in index for p in prompts]
+        return [(p, o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]],
+                 o["meta_info"].get("weight_version"), a) for (a, p), o in zip(where, outs)]
+
+    def _probe_verdict(self, probes: list, mine: torch.Tensor, worst: float) -> tuple[Optional[str], float]:
+        by_server: dict[str, float] = {}
+        for i, (prompt, out, lps, version, address) in enumerate(probes):
+            if str(version) != str(self.version.value):
+                return f"server {address} reports weight_version {version!r}, expected {self.version.value}", worst
+            want = mine[i, len(prompt):len(prompt) + len(out)]
+            got = torch.tensor([float("-inf") if x is None else float(x) for x in lps])
+            diff = float((got - want).abs().max()) if len(out) else 0.0
+            by_server[address] = max(by_server.get(address, 0.0), diff)
+        worst = max([worst, *by_server.values()])
+        bad = {a: d for a, d in by_server.items() if not d <= self.verify_tol}
+        if bad:
+            return ("server logprobs differ from the trainer's at version "
+                    f"{self.version.value} (> {self.verify_tol:g}): "
+                    + ", ".join(f"server {a} by {d:.3g}" for a, d in bad.items())), worst
+        return None, worst
+
+
+# the crafted probe: round r has 4 * 2**r prompts of PROBE_PROMPT_LEN tokens drawn with seed r from the vocabulary,
+# each generating PROBE_NEW_TOKENS; rounds are added until the trainer's routing of the probe covered every expert
+PROBE_ROUNDS = 4
+PROBE_PROMPT_LEN = 8
+PROBE_NEW_TOKENS = 8
+
+
+def probe_prompts(round_: int, vocab_size: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(round_)
+    n = 4 * 2 ** round_
+    return torch.randint(1, max(2, vocab_size), (n, PROBE_PROMPT_LEN), generator=g).tolist()
+
+
+class ExpertCoverage:
+    """Which routed experts the trainer's routers selected during one forward ([layers, experts] bool, by global
+    layer number; dense layers all True). A forward hook on every Megatron TopKRouter ORs its routing map over the tokens."""
+
+    def __init__(self, models: Sequence[torch.nn.Module], num_experts: Optional[int]):
+        self.models, self.num_experts = list(models), num_experts
+        self._hooks: list = []
+        self.layers: list[int] = []
+        self.seen: Optional[torch.Tensor] = None
+
+    def __enter__(self) -> "ExpertCoverage":
+        if not self.num_experts or not self.models:
+            return self
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        from mega_async.trainer.routing import moe_layers
+
+        cfg = self.models[0].config
+        self.layers = moe_layers(cfg, cfg.num_layers)
+        self.seen = torch.zeros(cfg.num_layers, self.num_experts, dtype=torch.int32)
+        for m in self.models:
+            for r in m.modules():
+                if isinstance(r, TopKRouter):
+                    self._hooks.append(r.register_forward_hook(self._hook))
+        return self
+
+    def _hook(self, module: Any, args: Any, out: Any) -> None:
+        routing_map = out[1]
+        self.seen[module.layer_number - 1] |= routing_map.detach().any(0).to("cpu", torch.int32)
+
+    def __exit__(self, *exc: Any) -> None:
+        for h in self._hooks:
+            h.remove()
+
+    def reduced(self, group: Any = None) -> Optional[torch.Tensor]:
+        """Over every rank (each saw its own tokens, layers and micro-batches): [layers, experts] bool."""
+        if self.seen is None:
+            return None
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(self.seen, op=dist.ReduceOp.MAX, group=group)
+        out = torch.ones_like(self.seen, dtype=torch.bool)  # dense layers have no routed expert to cover
+        out[self.layers] = self.seen[self.layers].bool()
+        return out
 
 
 def aligned_order(tensors: Sequence[torch.Tensor]) -> list[int]:
@@ -156,13 +321,95 @@ def _layout_key(reply: dict) -> str:
 
 def _probe_batch(probes: list) -> dict[str, torch.Tensor]:
     n = len(probes)
-    L = max(len(p) + len(o) for p, o, _, _ in probes)
+    L = max(len(p[0]) + len(p[1]) for p in probes)
     b = {"input_ids": torch.zeros(n, L, dtype=torch.long), "attention_mask": torch.zeros(n, L, dtype=torch.long),
          "loss_mask": torch.zeros(n, L, dtype=torch.long), "logprobs": torch.zeros(n, L),
          "versions": torch.full((n, L), -1, dtype=torch.long), "advantages": torch.zeros(n)}
-    for i, (p, o, _, _) in enumerate(probes):
+    for i, (p, o, *_) in enumerate(probes):
         ids = list(p) + list(o)
         b["input_ids"][i, :len(ids)] = torch.tensor(ids)
         b["attention_mask"][i, :len(ids)] = 1
         b["loss_mask"][i, len(p):len(ids)] = 1
     return b
+
+
+def _not_rebuilt(reply: dict, info: dict) -> Optional[str]:
+    """Why a server's checksums cannot be rebuilt by the trainer (None: they can): each rank must hold the whole
+    model (tp, pp, ep, attention-DP of 1), as the embedded server and a one-GPU SGLang server do."""
+    for r in reply.get("ranks") or []:
+        pis = r.get("parallelism_info")
+        for pi in pis if isinstance(pis, list) else [pis]:
+            if isinstance(pi, dict) and (pi.get("tp_size", 1) > 1 or pi.get("pp_size", 1) > 1):
+                return f"tp_size={pi.get('tp_size')}, pp_size={pi.get('pp_size')}: shards are not rebuilt"
+    for k in ("tp_size", "pp_size", "ep_size", "moe_ep_size"):
+        if isinstance(info.get(k), int) and info[k] > 1:
+            return f"{k}={info[k]}: shards are not rebuilt"
+    if info.get("enable_dp_attention"):
+        return "DP attention: shards are not rebuilt"
+    return None
+
+
+class DigestPlan:
+    """Rank 0, one verify: the trainer's digest for every server rank to compare, fed the trainer's tensors once.
+    Ranks that report the same tensor names and hold them alike (dtype, hash) share one digest."""
+
+    def __init__(self, num_experts: Optional[int], flavors: dict):
+        self.num_experts = num_experts
+        self.flavors = flavors  # address -> Flavor, kept across verifies
+        self.servers: list[tuple[str, dict[str, str]]] = []
+        self._builders: dict[tuple, DigestBuilder] = {}
+        self._early: list[tuple[str, torch.Tensor]] = []  # tensors that came before every flavor was learned
+        self._tries: dict[str, int] = {}
+        self.unlearned: set[str] = set()  # servers none of whose tensors equals the trainer's
+
+    def expect(self, address: str, checksums: dict[str, str]) -> None:
+        self.servers.append((address, checksums))
+
+    def _key(self, address: str, checksums: dict[str, str]) -> tuple:
+        f = self.flavors[address]
+        return (f.dtype, f.hash, frozenset(checksums))
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        for a, c in self.servers:
+            if a in self.flavors or a in self.unlearned or name not in c:
+                continue
+            if (f := learn_flavor(c, [(name, t)])) is not None:
+                self.flavors[a] = f
+            elif t.dtype.is_floating_point and not name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                self._tries[a] = self._tries.get(a, 0) + 1
+                if self._tries[a] >= 8:  # eight of its plain tensors differ in every dtype and hash
+                    self.unlearned.add(a)
+        self._early.append((name, t))
+        if any(a not in self.flavors and a not in self.unlearned for a, _ in self.servers):
+            return  # held until every server's flavor is known (usually only the embedding comes first)
+        for a, c in self.servers:
+            if a in self.flavors and self._key(a, c) not in self._builders:
+                self._builders[self._key(a, c)] = DigestBuilder(c, self.flavors[a], self.num_experts)
+        for early in self._early:
+            for builder in self._builders.values():
+                builder.add(*early)
+        self._early = []
+
+    def verdict(self, version: int) -> Optional[str]:
+        """None when every compared server holds exactly the trainer's tensors; else the first server's problem."""
+        unlearned = [a for a, _ in self.servers if a not in self.flavors]  # (also: fewer than 8 plain tensors)
+        if unlearned:
+            return (f"server {unlearned[0]}: none of its tensors equals the trainer's at version {version} in any "
+                    f"dtype (float32, bfloat16, float16) or hash (sha256, SGLang's GPU hash): its weights are not the "
+                    "trainer's")
+        for builder in self._builders.values():  # a model too small to have learned every flavor before its end
+            for early in self._early:
+                builder.add(*early)
+        done = {k: b.finish() for k, b in self._builders.items()}
+        for a, c in self.servers:
+            differing, missing, extra, uncovered = compare(c, done[self._key(a, c)])
+            if differing or missing or extra:
+                parts = [f"{len(v)} {what}: {', '.join(v[:6])}{' ...' if len(v) > 6 else ''}"
+                         for what, v in (("differ", differing), ("missing on the server", missing),
+                                         ("on the server but not sent by the trainer", extra)) if v]
+                return (f"server {a} does not serve the trainer's weights at version {version} "
+                        f"(checksums against the trainer's digest): {'; '.join(parts)}")
+            if uncovered:
+                logger.info("verify_sync: %s: %d derived tensors not rebuilt by the digest (%s)", a, len(uncovered),
+                            ", ".join(uncovered[:4]))
+        return None
