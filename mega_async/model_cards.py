@@ -78,16 +78,18 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         _random_router_bias(model)
     dst.mkdir(parents=True, exist_ok=True)
-    tmp = dst / ".model.safetensors.tmp"
-    model.save_pretrained(str(dst / ".tmp_save"))
-    os.replace(dst / ".tmp_save" / "model.safetensors", tmp)
-    for f in (dst / ".tmp_save").iterdir():
-        f.unlink()
-    (dst / ".tmp_save").rmdir()
-    os.replace(tmp, dst / "model.safetensors")
-    if dst != src:
-        import shutil
+    import shutil
+    import tempfile
 
+    # a folder of its own (two runs or tests initialising one card at once each write whole files, and the
+    # last rename wins with the same bytes); removed whatever happens
+    save = Path(tempfile.mkdtemp(prefix=".tmp_save.", dir=dst))
+    try:
+        model.save_pretrained(str(save))
+        os.replace(save / "model.safetensors", dst / "model.safetensors")
+    finally:
+        shutil.rmtree(save, ignore_errors=True)
+    if dst != src:
         for f in src.iterdir():
             if f.is_file() and f.name != "model.safetensors" and not (dst / f.name).exists():
                 shutil.copy2(f, dst / f.name)

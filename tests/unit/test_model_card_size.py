@@ -89,3 +89,26 @@ def test_a_run_on_an_absurd_card_is_refused_at_start_up_in_one_line(tmp_path, ca
            "(num_hidden_layers=1000000," in err, err
     assert ("on each trainer rank" if weights else "in float32 for its random init") in err, err
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow  # three interpreters importing transformers
+def test_cards_initialised_at_once_by_several_processes_end_whole(tmp_path):
+    """Three processes writing the same card's random init at the same moment (tests or runs starting together)
+    all succeed and leave one whole file, the same bytes as a lone init, and no temporary folder (before: they
+    shared `.tmp_save` and one removed the others' files mid-save)."""
+    import subprocess
+    import sys
+
+    out, go = tmp_path / "card", tmp_path / "go"
+    code = ("import os, sys, time; import transformers; from mega_async.model_cards import init_random_weights; "
+            "print('ready', flush=True)\nwhile not os.path.exists(sys.argv[3]): time.sleep(0.005)\n"
+            "init_random_weights(sys.argv[1], sys.argv[2], seed=0, force=True)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(TINY_MOE), str(out), str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    assert [p.stdout.readline().strip() for p in procs] == ["ready"] * 3  # all imported: they save at once
+    go.touch()
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], errs
+    lone = init_random_weights(TINY_MOE, tmp_path / "lone", seed=0)
+    assert (out / "model.safetensors").read_bytes() == (lone / "model.safetensors").read_bytes()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]
