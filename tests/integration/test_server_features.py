@@ -36,6 +36,26 @@ def test_prompt_and_top_logprobs(server, hf_models):
     assert len(m["input_top_logprobs"]) == len(PROMPT) and m["input_top_logprobs"][0] is None
 
 
+def test_token_ids_logprob(server, hf_models):
+    """SGLang's token_ids_logprob (bench_serving --token-ids-logprob): the asked tokens' logprobs at every prompt
+    and output position, as [logprob, id, text] in meta_info input/output_token_ids_logprobs."""
+    ids = [3, 300, 1000]
+    out = gen(server.addresses[0], {"max_new_tokens": 4, "temperature": 1.0, "ignore_eos": True},
+              return_logprob=True, logprob_start_len=0, token_ids_logprob=ids)
+    m = out["meta_info"]
+    with torch.no_grad():
+        logits = hf_models["v0"](torch.tensor([PROMPT + out["output_ids"]])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[:, ids]
+    inp, outp = m["input_token_ids_logprobs"], m["output_token_ids_logprobs"]
+    assert inp[0] is None and len(inp) == len(PROMPT) and len(outp) == 4
+    got = torch.tensor([[lp for lp, _, _ in row] for row in inp[1:] + outp])
+    assert [[t for _, t, _ in row] for row in outp] == [ids] * 4
+    assert torch.allclose(got, ref[:len(PROMPT) - 1 + 4], atol=1e-4)
+    st, bad = post(server.addresses[0], "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                                      "token_ids_logprob": [5, 10 ** 9]})
+    assert st == 400 and "outside the vocabulary" in json.dumps(bad)
+
+
 def test_n_samples_share_one_prefill(server, hf_models):
     """n=4 of one prompt: one warm-up prefill, then all four report cached_tokens = len(prompt) - 1 (as SGLang,
     which prefills the prompt with max_new_tokens=0 before the samples), and their logprobs are the model's."""

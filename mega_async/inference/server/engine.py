@@ -50,6 +50,7 @@ class GenRequest:
     sampling_seed: Optional[int] = None
     logprob_start_len: int = -1  # >= 0: prompt logprobs from that position
     top_logprobs_num: int = 0
+    token_ids_logprob: Optional[list[int]] = None  # SGLang's: the logprobs of these tokens at every position
     return_routed_experts: bool = False
     # state, owned by the engine thread
     output_ids: list[int] = field(default_factory=list)
@@ -58,6 +59,8 @@ class GenRequest:
     output_versions: list[str] = field(default_factory=list)
     input_logprobs: list[Optional[float]] = field(default_factory=list)
     input_top_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
+    output_token_ids_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_token_ids_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, k] pieces
     cached_tokens: int = 0
     prefilled: bool = False
@@ -457,6 +460,9 @@ class GenerationEngine:
         r.input_logprobs = [None] + chosen
         if r.top_logprobs_num:
             r.input_top_logprobs = [None] + [top_logprobs(logp[j], r.top_logprobs_num) for j in range(len(chosen))]
+        if r.token_ids_logprob is not None:
+            r.input_token_ids_logprobs = [None] + [_ids_logprobs(logp[j], r.token_ids_logprob)
+                                                   for j in range(len(chosen))]
 
     def _merge(self, reqs: list[GenRequest], cache: Any, mask: torch.Tensor, pos: torch.Tensor,
                last: torch.Tensor) -> None:
@@ -552,4 +558,12 @@ class GenerationEngine:
         for i, r in enumerate(reqs):
             if r.top_logprobs_num:
                 r.output_top_logprobs.append(top_logprobs(logp[i], r.top_logprobs_num))
+            if r.token_ids_logprob is not None:
+                r.output_token_ids_logprobs.append(_ids_logprobs(logp[i], r.token_ids_logprob))
         return toks, lps
+
+
+def _ids_logprobs(logp: torch.Tensor, ids: list[int]) -> list[tuple[float, int]]:
+    """SGLang's token_ids_logprob at one position: (logprob, id) for each asked id, in the order asked."""
+    vals = logp[torch.tensor(ids, dtype=torch.long, device=logp.device)].tolist() if ids else []
+    return list(zip(vals, ids))

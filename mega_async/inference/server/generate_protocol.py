@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from mega_async.inference.server.engine import GenRequest
 from mega_async.inference.server.protocol import ContractError, ValueRejected
@@ -23,7 +23,7 @@ SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temp
                  "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "logit_bias", "sampling_seed",
                  "custom_params", "beam_width", "watermark", "choice")
 NOT_IMPLEMENTED = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice")
-TOP_NOT_IMPLEMENTED = ("token_ids_logprob", "return_hidden_states", "lora_path", "session_params", "image_data",
+TOP_NOT_IMPLEMENTED = ("return_hidden_states", "lora_path", "session_params", "image_data",
                        "video_data", "audio_data", "bootstrap_host", "return_sampling_mask")
 # SGLang's tokenizer manager, word for word, when --enable-custom-logit-processor is off
 CUSTOM_LOGIT_PROCESSOR_OFF = ("The server is not configured to enable custom logit processor. Please set "
@@ -234,6 +234,23 @@ def check_ids(ids: Any, lim: GenerateLimits) -> list[int]:
     return ids
 
 
+def _token_ids_logprob(body: dict, i: int, vocab: Optional[int]) -> Optional[list[int]]:
+    """SGLang's `token_ids_logprob`: one list of token ids for every prompt, or one list per prompt."""
+    v = body.get("token_ids_logprob")
+    if v is None:
+        return None
+    if isinstance(v, list) and v and all(isinstance(x, list) for x in v):
+        if i >= len(v):
+            raise ValueRejected(f"token_ids_logprob has {len(v)} lists, fewer than the prompts")
+        v = v[i]
+    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueRejected(f"token_ids_logprob must be a list of token ids (or one per prompt), got {v!r}"[:200])
+    bad = [x for x in v if x < 0 or (vocab is not None and x >= vocab)]
+    if bad:
+        raise ValueRejected(f"token_ids_logprob: token id {bad[0]} is outside the vocabulary (0..{vocab})")
+    return list(v)
+
+
 def _per_prompt(body: dict, key: str, i: int) -> Any:
     v = body.get(key)
     return v[i] if isinstance(v, list) and key != "input_ids" else v
@@ -320,6 +337,7 @@ def _prompt_fields(body: dict, i: int, ids: list[int], sp: dict, lim: GenerateLi
         start = -1
     if top_n < 0:
         raise ValueRejected(f"top_logprobs_num must be at least 0, got {top_n}")
+    ids_lp = _token_ids_logprob(body, i, lim.vocab_size)
     req = dict(
         input_ids=ids, max_new_tokens=max_new, temperature=sp["temperature"], top_p=sp["top_p"],
         top_k=-1 if sp["top_k"] >= TOP_K_ALL else sp["top_k"], stop_token_ids=sp["stop_token_ids"], stop=sp["stop"],
@@ -327,7 +345,7 @@ def _prompt_fields(body: dict, i: int, ids: list[int], sp: dict, lim: GenerateLi
         frequency_penalty=sp["frequency_penalty"], presence_penalty=sp["presence_penalty"],
         repetition_penalty=sp["repetition_penalty"], logit_bias=sp["logit_bias"], sampling_seed=sp["sampling_seed"],
         logprob_start_len=start if ret_lp else -1, top_logprobs_num=top_n if ret_lp else 0,
-        return_routed_experts=want_routes, sampling_cache=sp["sampling_cache"])
+        token_ids_logprob=ids_lp if ret_lp else None, return_routed_experts=want_routes, sampling_cache=sp["sampling_cache"])
     opts = dict(return_logprob=ret_lp, return_text_in_logprobs=_top_bool(body, "return_text_in_logprobs"),
                 skip_special_tokens=sp["skip_special_tokens"],
                 spaces_between_special_tokens=sp["spaces_between_special_tokens"], no_stop_trim=sp["no_stop_trim"],
@@ -394,6 +412,9 @@ def meta_info(req: GenRequest, opts: Options, current_version: str, latency: flo
         if req.top_logprobs_num:
             meta["output_top_logprobs"] = _top_entries(req.output_top_logprobs, t, tokenizer)
             meta["input_top_logprobs"] = _top_entries(req.input_top_logprobs, t, tokenizer)
+        if req.token_ids_logprob is not None:  # SGLang's keys, entries as the top logprobs'
+            meta["output_token_ids_logprobs"] = _top_entries(req.output_token_ids_logprobs, t, tokenizer)
+            meta["input_token_ids_logprobs"] = _top_entries(req.input_token_ids_logprobs, t, tokenizer)
     if req.return_routed_experts and req.routes:
         import torch
 
