@@ -233,3 +233,34 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor, denominator: Optio
         nll = torch.where(mask, -logprobs.detach(), torch.zeros_like(logprobs)).sum() / nf
         stats = {"nll": nll, "likely_frac": ((logprobs.detach() > math.log(0.5)) & mask).sum() / nf}
     return tok.sum() / den, stats
+
+
+LOG_W_RANGE, LOG_W_STEP = 4.0, 0.01  # behaviour-weight histogram: bins centred on log w = -4, -3.99, ..., 4
+LOG_W_BINS = round(2 * LOG_W_RANGE / LOG_W_STEP) + 3  # plus an underflow and an overflow bin
+WEIGHT_QUANTILES = (0.01, 0.1, 0.5, 0.9, 0.99)
+
+
+def log_weight_histogram(log_w: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Counts of log w = prox - behav over the finite `mask` tokens in bins LOG_W_STEP wide centred on
+    -LOG_W_RANGE ... LOG_W_RANGE (w = 1 is a centre), plus an underflow (first) and an overflow (last) bin:
+    LOG_W_BINS counts, summable over micro-batches and ranks."""
+    x = log_w.detach().reshape(-1).double()
+    x = x[mask.reshape(-1).bool() & torch.isfinite(x)]
+    idx = torch.round((x + LOG_W_RANGE) / LOG_W_STEP).long().clamp(-1, LOG_W_BINS - 2) + 1
+    return torch.bincount(idx, minlength=LOG_W_BINS).double().cpu()
+
+
+def histogram_quantiles(counts: torch.Tensor, qs: Sequence[float] = WEIGHT_QUANTILES) -> dict[float, float]:
+    """The weights w at quantiles `qs` of a log_weight_histogram (the bin's centre; the range's end for the
+    overflow bins); empty when it counted nothing."""
+    total = float(counts.sum())
+    if total <= 0:
+        return {}
+    cdf = torch.cumsum(counts, 0) / total
+    out = {}
+    for q in qs:
+        b = int(torch.searchsorted(cdf, torch.tensor(q, dtype=cdf.dtype)).clamp(max=len(counts) - 1))
+        b = min(max(b, 1), len(counts) - 2)  # the overflow bins report the range's ends
+        out[q] = math.exp(-LOG_W_RANGE + (b - 1) * LOG_W_STEP)
+    return out
+

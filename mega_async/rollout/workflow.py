@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from abc import ABC, abstractmethod
 from typing import Any, Awaitable, Callable, Optional
 
@@ -17,6 +18,8 @@ from mega_async.reward import RewardRunner
 from mega_async.types import ModelRequest, ModelResponse, concat_padded
 
 logger = logging.getLogger("mega_async.rollout.workflow")
+
+GEN_TIME_KEY = "gen_s"  # per-sequence generation seconds; taken off the batch before it reaches the trainer
 
 
 class RolloutWorkflow(ABC):
@@ -145,13 +148,16 @@ class RLVRWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine: Any, data: Any) -> Optional[dict]:
         prompt_ids, prompt_text = self.encode(data)
         req = ModelRequest(input_ids=prompt_ids, stop_token_ids=self.stop_token_ids, **self.sampling)
+        t0 = time.monotonic()
         resp = await engine.agenerate(req)
+        gen_s = time.monotonic() - t0  # interruptions and resubmissions included
         item = {k: v for k, v in data.items() if k not in ("input_ids", "prompt", "messages")}
         item["output_tokens"] = resp.output_tokens
         reward = await self.reward(prompt_text, self.decode(resp.output_tokens), **item)
         if reward is None:
             return None
-        return trajectory_from_response(prompt_ids, resp, reward)
+        # the sample's generation time: the batch statistics' long tail (mega_async.trainer.dispatch.batch_stats)
+        return {**trajectory_from_response(prompt_ids, resp, reward), GEN_TIME_KEY: torch.tensor([gen_s])}
 
 
 class Trajectory:

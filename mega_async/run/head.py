@@ -65,7 +65,7 @@ class RolloutHead:
             "version": self.version.value, "reward_mean": self.rewards.since_last(batch.reward),
             "batch_reward_mean": batch.reward, "rollout_wait_s": round(batch.rollout_wait_s, 3),
             "train_s": round(batch.train_s, 3), "step_s": round(step_s, 3),
-            **prefixed("train", train), **sync, **prefixed("executor", self.ex.stats),
+            **prefixed("train", train), **prefixed("batch", batch.stats), **sync, **prefixed("executor", self.ex.stats),
             **prefixed("filter", self.flt.stats if self.flt else None),
             **(self.evaluator.maybe_evaluate(step) if self.evaluator else {})})
         logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs", step,

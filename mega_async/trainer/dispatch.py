@@ -20,6 +20,7 @@ class StepBatch:
     rollout_wait_s: float = 0.0
     dispatch_s: float = 0.0
     train_s: float = 0.0
+    stats: Optional[dict[str, float]] = None  # rank 0: what the optimizer sees (batch_stats)
 
     def train_on(self, engine: Any) -> dict[str, Any]:
         """engine.train_batch on this rank's share; returns its stats and keeps the time in `train_s`."""
@@ -38,12 +39,16 @@ def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
 
     from mega_async.algo.advantages import batch_with_advantages
     from mega_async.packing import redistribute_groups
+    from mega_async.rollout.workflow import GEN_TIME_KEY
     from mega_async.types import concat_padded
 
-    payload = None
+    payload, stats = None, None
     if groups is not None:
         a = algorithm
+        gen_s = [g[GEN_TIME_KEY] for g in groups if GEN_TIME_KEY in g]
+        groups = [{k: v for k, v in g.items() if k != GEN_TIME_KEY} for g in groups]
         groups, rewards = batch_with_advantages(groups, a.adv_norm, a.reward_scale, a.reward_bias)
+        stats = batch_stats(groups, torch.cat(gen_s) if gen_s else None)
         tokens = [int(g["attention_mask"].sum()) for g in groups]
         payload = (groups, redistribute_groups(tokens, mpu.get_data_parallel_world_size()), float(rewards.mean()),
                    rollout_wait_s)
@@ -52,7 +57,31 @@ def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
         dist.broadcast_object_list(box, src=0, group=group)
         payload = box[0]
     groups, shares, reward, wait = payload
-    return StepBatch(concat_padded([groups[i] for i in shares[mpu.get_data_parallel_rank()]]), reward, wait)
+    return StepBatch(concat_padded([groups[i] for i in shares[mpu.get_data_parallel_rank()]]), reward, wait,
+                     stats=stats)
+
+
+def batch_stats(groups: list[dict[str, torch.Tensor]], gen_s: Optional[torch.Tensor] = None) -> dict[str, float]:
+    """What the optimizer sees in a step's groups (with their advantages): how many groups carry a gradient (not
+    all rewards equal: the dynamic filter's forced groups do not), the advantage magnitudes, and the generation
+    lengths (output tokens per sequence) and, given each sequence's generation seconds, their long tail."""
+    eff = sum(int(g["rewards"].numel() > 1 and bool(g["rewards"].max() - g["rewards"].min() > 1e-6)) for g in groups)
+    adv = torch.cat([g["advantages"].reshape(-1).float() for g in groups]).abs()
+    lens = torch.cat([g["loss_mask"].sum(1).float() for g in groups])
+    out = {"groups": len(groups), "sequences": int(lens.numel()), "effective_groups": eff,
+           "effective_frac": eff / max(len(groups), 1), "adv_abs_mean": float(adv.mean()),
+           "adv_abs_max": float(adv.max()), "adv_nonzero_frac": float((adv > 1e-6).float().mean()),
+           **_spread("gen_len", lens)}
+    if gen_s is not None and gen_s.numel():
+        out.update(_spread("gen_s", gen_s.float()))
+    return out
+
+
+def _spread(name: str, x: torch.Tensor) -> dict[str, float]:
+    """mean, median, p90, max and max / median of a batch's per-sequence values."""
+    med = float(x.median())
+    return {f"{name}_mean": float(x.mean()), f"{name}_median": med, f"{name}_p90": float(torch.quantile(x, 0.9)),
+            f"{name}_max": float(x.max()), f"{name}_max_over_median": float(x.max()) / med if med > 0 else 0.0}
 
 
 def timed_share(groups: Optional[list[dict]], algorithm: Any, group: Any = None,

@@ -16,7 +16,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from mega_async.algo.loss import approximate_proximal_logprobs, decoupled_ppo_loss, kl_penalty, sft_loss
+from mega_async.algo.loss import (LOG_W_BINS, approximate_proximal_logprobs, decoupled_ppo_loss,
+                                  histogram_quantiles, kl_penalty, log_weight_histogram, sft_loss)
 from mega_async.config import AlgorithmConfig, TrainerConfig
 from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
 from mega_async.trainer.routing import RouteReplay
@@ -144,6 +145,7 @@ class MegatronTrainEngine:
         self._stats: dict[str, torch.Tensor] = {}
         self._measure = False  # the first mini-batch's forward (pre-update weights) measures train/rollout mismatch
         self._lp_mismatch_max = 0.0
+        self._w_hist: Optional[torch.Tensor] = None  # behaviour-weight histogram of the step (last stage)
         self.routing: Optional[RouteReplay] = None
         if cfg.algorithm.routing_replay and not self.bridge.is_moe:
             raise ValueError("algorithm.routing_replay=true needs an MoE model; this one is dense")
@@ -370,17 +372,23 @@ class MegatronTrainEngine:
             self._stats = {}
         # global sums over DP (the last pipeline stage holds them; broadcast over PP)
         keys = list(STAT_KEYS)  # only the last stage computed them; the others hold zeros until the broadcast
-        vec = torch.tensor([float(acc.get(k, 0.0)) for k in keys], device=_device())
+        hist = self._w_hist if self._w_hist is not None else torch.zeros(LOG_W_BINS, dtype=torch.float64)
+        self._w_hist = None
+        vec = torch.cat([torch.tensor([float(acc.get(k, 0.0)) for k in keys], dtype=torch.float64),
+                         hist]).to(_device())  # the histogram travels with the sums
         if self.pp > 1:
             group = mpu.get_pipeline_model_parallel_group()
             dist.broadcast(vec, dist.get_global_rank(group, self.pp - 1), group=group)
         if dist.is_initialized():
             dist.all_reduce(vec, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        sums = dict(zip(keys, vec.cpu().tolist()))
+        vec = vec.cpu()
+        sums = dict(zip(keys, vec[:len(keys)].tolist()))
+        quantiles = histogram_quantiles(vec[len(keys):]) if c.loss == "ppo" else {}
         tokens = max(sums.get("n_tokens", 0.0), 1.0)
         stats = {k: v / tokens for k, v in sums.items() if k not in _UNSCALED}
         stats.update(tokens=sums.get("n_tokens", 0.0), grad_norm=max(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
         stats.update(self._mismatch_stats(sums))
+        stats.update({f"behav_w_p{round(q * 100):02d}": w for q, w in quantiles.items()})  # pi_prox / pi_behav
         return stats
 
     def _mismatch_stats(self, sums: dict[str, float]) -> dict[str, float]:
@@ -448,6 +456,8 @@ class MegatronTrainEngine:
                     self._lp_mismatch_max = max(self._lp_mismatch_max, float(gap.max()))
             for k, v in contrib.items():
                 self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
+            h = log_weight_histogram(prox - behav, mask)
+            self._w_hist = h if self._w_hist is None else self._w_hist + h
         return loss, n.to(torch.int), {}
 
     def _sft_loss(self, logits: torch.Tensor, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
