@@ -37,6 +37,7 @@ SCENARIO_DIR = ROOT / "configs" / "bench"
 TRAIN_FIGURES = ("gen_groups_per_s", "gen_tokens_per_s", "train_tokens_per_s", "sync_s", "sync_bytes_per_s",
                  "staleness_mean", "token_staleness_mean", "wall_s")
 SPLIT_FIGURES = ("rollout_wait", "train", "sync", "other")
+GEN_FIGURES = ("gen_len_mean", "gen_len_max", "gen_len_max_over_median", "gen_s_max_over_median")
 
 
 class BenchError(ValueError):
@@ -219,6 +220,7 @@ def run_train(config: str, overrides: Sequence[str], run_root: Path, trial: str,
     if accuracy is not None:
         figs.update(accuracy_figures(history, float(accuracy["target"]), int(accuracy.get("window", 3))))
     figs.update({f"split_{k}": s.get("split", {}).get(k) for k in SPLIT_FIGURES})
+    figs.update({k: s[k] for k in GEN_FIGURES if k in s})  # generation lengths and their long tail (batch/*)
     figs["peak_rss_mib"] = mem.peak / 2**20 if mem.peak else None
     return {"figures": figs, "staleness_hist": s.get("staleness_hist", {})}
 

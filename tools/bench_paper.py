@@ -1,7 +1,11 @@
-"""The AReaL paper's Fig 5a/5b/5c, Fig 6b and Table 2 on the addition task, over seeds, with 95% intervals.
+"""The AReaL paper's Fig 5a/5b/5c, Fig 6b and Table 2 on the addition task, over seeds, with 95% intervals;
+the root-cause controls of issue 35; and the long-tail sweep (--sweep longtail: the countdown task).
 
     python tools/bench_paper.py --seeds 1,2,3,4,5                        # the whole sweep (resumes)
     python tools/bench_paper.py --variants sync,eta4-dec --seeds 1 --steps 100   # a part of it
+    python tools/bench_paper.py --variants 'sync,eta1-dec,stale*,*-lr4,*-mb1'   # the controls (issue 35 item 1)
+    python tools/bench_paper.py --sweep longtail                         # countdown: sync vs eta 1-8 (item 3)
+    python tools/bench_paper.py --sweep longtail --dry-run               # what it would run, nothing run
     python tools/bench_paper.py --from-results benchmarks/paper          # figures and table again, no runs
 
 First the SFT model (`mega-async sft -c configs/addition_sft_cpu.yaml`, once: skipped when its final_hf/
@@ -12,6 +16,16 @@ exists), then one `mega-async train` per (variant, seed) from it. Variants (name
   eta{E}-dec-nointr        rollout.interrupt=none: weight syncs wait for generation in flight (Fig 6b)
   ...-unpinned             the same without CPU pinning (every other run pins the servers and the trainer
                            to disjoint halves of the CPUs: mega_async.pinning)
+  stale{K}                 the control: synchronous (max_staleness 0) but every step trains on a batch generated K
+                           versions earlier (rollout.stale_batches=K, a FIFO; no rollout overlaps training)
+  ...-lr4 / ...-mb1        sync, eta1-dec and stale1 at a quarter of the config's learning rate / with one PPO
+                           mini-batch (trainer.ppo_n_minibatches=1)
+--sweep longtail: the countdown task (configs/countdown_{sft,rl}_cpu.yaml): sync, eta 1, 2, 4, 8 decoupled, naive
+PPO at eta 4 and 8, then interrupt=none at the eta with the shortest time to sync's final reward (decided from
+the results once the others are done; --nointr-eta forces one).
+Every table also gives the headline figures: time to sync's final reward (the first step whose TAIL-step reward
+reaches the mean final reward of the sync runs) and the reward at equal wall time (at the shortest run's wall
+clock), and the overlap bound from the sync runs' own phase times with the fraction of it each variant achieves.
 Each finished run leaves <out>/raw/<variant>_s<seed>.json; a run whose file exists is skipped, so an
 interrupted sweep continues where it stopped. Intervals: Student-t 95% over seeds (mean +- t(0.975, n-1) s/sqrt n).
 Accuracy: the exact-match reward of the samples each step trains on (temperature 1; under staleness they come
@@ -44,19 +58,64 @@ T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2
         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
-# ---- variants ---------------------------------------------------------------------------------------
+# ---- variants ----------------------------------------------------------------------------------------
+def _v(name: str, eta: int, objective: str = "dec", interrupt: str = "abort", pin: bool = True, stale: int = 0,
+       lr_scale: float = 1.0, minibatches: Optional[int] = None) -> dict[str, Any]:
+    return {"name": name, "eta": eta, "objective": objective, "interrupt": interrupt, "pin": pin, "stale": stale,
+            "lr_scale": lr_scale, "minibatches": minibatches}
+
+
+STALE_KS = (1, 2, 4)
+
+
 def all_variants(etas: Sequence[int] = ETAS, interrupt_etas: Sequence[int] = INTERRUPT_ETAS) -> list[dict[str, Any]]:
     """The sweep: sync, decoupled and naive PPO at each eta, the non-interruptible baseline, unpinned copies of
-    the throughput runs (sync and decoupled at each eta)."""
-    def v(name: str, eta: int, objective: str = "dec", interrupt: str = "abort", pin: bool = True) -> dict:
-        return {"name": name, "eta": eta, "objective": objective, "interrupt": interrupt, "pin": pin}
-
-    out = [v("sync", 0)]
+    the throughput runs (sync and decoupled at each eta); then issue 35's controls: sync fed K-version-old
+    batches (stale{K}), and sync / eta1-dec / stale1 at a quarter of the learning rate and with one mini-batch."""
+    out = [_v("sync", 0)]
     for e in etas:
-        out += [v(f"eta{e}-dec", e), v(f"eta{e}-ppo", e, "ppo")]
-    out += [v(f"eta{e}-dec-nointr", e, interrupt="none") for e in interrupt_etas]
-    out += [v("sync-unpinned", 0, pin=False)] + [v(f"eta{e}-dec-unpinned", e, pin=False) for e in etas]
+        out += [_v(f"eta{e}-dec", e), _v(f"eta{e}-ppo", e, "ppo")]
+    out += [_v(f"eta{e}-dec-nointr", e, interrupt="none") for e in interrupt_etas]
+    out += [_v("sync-unpinned", 0, pin=False)] + [_v(f"eta{e}-dec-unpinned", e, pin=False) for e in etas]
+    return out + control_variants()
+
+
+def control_variants() -> list[dict[str, Any]]:
+    out = [_v(f"stale{k}", 0, stale=k) for k in STALE_KS]
+    for suffix, kw in (("lr4", {"lr_scale": 0.25}), ("mb1", {"minibatches": 1})):
+        out += [_v(f"sync-{suffix}", 0, **kw), _v(f"eta1-dec-{suffix}", 1, **kw), _v(f"stale1-{suffix}", 0, stale=1, **kw)]
     return out
+
+
+LONGTAIL_ETAS = (1, 2, 4, 8)
+
+
+def longtail_variants() -> list[dict[str, Any]]:
+    """The long-tail sweep (issue 35 item 3): sync; eta 1, 2, 4, 8 decoupled; naive PPO at eta 4 and 8; and the
+    interrupt=none candidates (one of them runs: the best eta's, see best_eta)."""
+    return ([_v("sync", 0)] + [_v(f"eta{e}-dec", e) for e in LONGTAIL_ETAS] + [_v(f"eta{e}-ppo", e, "ppo") for e in (4, 8)]
+            + [_v(f"eta{e}-dec-nointr", e, interrupt="none") for e in LONGTAIL_ETAS])
+
+
+SWEEPS = {  # name -> the defaults of its arguments (each may be overridden on the command line)
+    "paper": {"config": "configs/addition_rl_cpu.yaml", "sft_config": "configs/addition_sft_cpu.yaml",
+              "sft_dir": "runs/addition_sft/run0", "out": "benchmarks/paper", "runs_dir": "runs/bench_paper_runs",
+              "steps": 150, "target": 0.7, "variants": None},
+    "longtail": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
+                 "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail",
+                 "runs_dir": "runs/bench_longtail_runs", "steps": 150, "target": 0.5,
+                 "variants": "sync,eta1-dec,eta2-dec,eta4-dec,eta8-dec,eta4-ppo,eta8-ppo"},
+}
+
+
+def sweep_variants(sweep_name: str) -> list[dict[str, Any]]:
+    return longtail_variants() if sweep_name == "longtail" else all_variants()
+
+
+def variant_order() -> dict[str, int]:
+    """Table order: the paper sweep's, then the long-tail sweep's own names."""
+    names = dict.fromkeys(v["name"] for v in all_variants() + longtail_variants())
+    return {n: i for i, n in enumerate(names)}
 
 
 def pick(variants: list[dict], patterns: Optional[str]) -> list[dict]:
@@ -72,12 +131,28 @@ def pick(variants: list[dict], patterns: Optional[str]) -> list[dict]:
     return out
 
 
-def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path) -> list[str]:
-    return [f"rollout.max_staleness={v['eta']}", f"seed={seed}", f"trainer.total_steps={steps}",
-            f"algorithm.prox_logp={'recompute' if v['objective'] == 'dec' else 'behavior'}",
-            f"rollout.interrupt={v['interrupt']}", f"model.path={sft_dir / 'final_hf'}",
-            f"data.path={sft_dir / 'rl_prompts.jsonl'}", f"logging.root_dir={runs_dir}",
-            "experiment_name=bench_paper", f"trial_name={v['name']}_s{seed}", "logging.tensorboard=false"]
+def base_lr(config: str) -> float:
+    """trainer.lr of the run config (the -lr4 variants run at a quarter of it)."""
+    from mega_async.config import load_config
+
+    return float(load_config(config).trainer.lr)
+
+
+def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path, lr: Optional[float] = None) -> list[str]:
+    out = [f"rollout.max_staleness={v['eta']}", f"seed={seed}", f"trainer.total_steps={steps}",
+           f"algorithm.prox_logp={'recompute' if v['objective'] == 'dec' else 'behavior'}",
+           f"rollout.interrupt={v['interrupt']}", f"model.path={sft_dir / 'final_hf'}",
+           f"data.path={sft_dir / 'rl_prompts.jsonl'}", f"logging.root_dir={runs_dir}",
+           "experiment_name=bench_paper", f"trial_name={v['name']}_s{seed}", "logging.tensorboard=false"]
+    if v.get("stale"):
+        out.append(f"rollout.stale_batches={v['stale']}")
+    if v.get("lr_scale", 1.0) != 1.0:
+        if lr is None:
+            raise ValueError(f"variant {v['name']} scales the learning rate: pass the config's lr")
+        out.append(f"trainer.lr={lr * v['lr_scale']:.6g}")
+    if v.get("minibatches"):
+        out.append(f"trainer.ppo_n_minibatches={v['minibatches']}")
+    return out
 
 
 # ---- one run ----------------------------------------------------------------------------------------
@@ -114,20 +189,47 @@ def time_to_target(c: Sequence[Sequence[float]], target: float, window: int = 3)
 
 
 DIAG = {"train/staleness": "trained tokens' staleness", "train/behav_imp_weight_mean": "behaviour weight mean",
+        "train/behav_w_p01": "behaviour weight p1", "train/behav_w_p50": "behaviour weight p50",
+        "train/behav_w_p99": "behaviour weight p99",
         "train/imp_weight_capped_frac": "tokens masked by the behaviour cap", "train/clip_frac": "clipped fraction",
-        "train/approx_kl": "approx KL(prox or behav, new)"}
+        "train/approx_kl": "approx KL(prox or behav, new)",
+        "filter/kept_frac": "filter: kept", "filter/dropped_frac": "filter: dropped",
+        "filter/forced_frac": "filter: forced through", "batch/effective_groups": "groups with a gradient per step",
+        "batch/adv_abs_mean": "|advantage| mean", "batch/gen_len_mean": "generated tokens / seq",
+        "batch/gen_len_max_over_median": "batch max / median tokens",
+        "batch/gen_s_max_over_median": "batch max / median gen seconds"}
+FILTER_FRACS = ("kept", "dropped", "forced")
 
 
 def diagnostics(history: Sequence[dict]) -> dict[str, float]:
     """What the objective saw over a run (means over steps): how stale the trained tokens were, the decoupled
-    objective's behaviour weights pi_prox / pi_behav and how many the cap masked, the clipped fraction, the KL
-    between the clip's centre (prox, or behaviour for naive PPO) and the updated policy."""
+    objective's behaviour weights pi_prox / pi_behav (mean and quantiles) and how many the cap masked, the clipped
+    fraction, the KL between the clip's centre (prox, or behaviour for naive PPO) and the updated policy; the
+    groups carrying a gradient after the dynamic filter and the advantage magnitudes; the generation lengths and
+    their long tail; and the dynamic filter's kept / dropped / forced fractions of every group it judged."""
     out = {}
     for k in DIAG:
         vals = [float(h[k]) for h in history if isinstance(h.get(k), (int, float))]
         if vals:
             out[k] = statistics.fmean(vals)
+    last = history[-1] if history else {}
+    judged = sum(float(last.get(f"filter/{k}", 0.0)) for k in ("kept", "dropped"))
+    if judged:
+        out.update({f"filter/{k}_frac": float(last.get(f"filter/{k}", 0.0)) / judged for k in FILTER_FRACS})
     return out
+
+
+def phases(history: Sequence[dict]) -> dict[str, Optional[float]]:
+    """Mean seconds per step waiting for rollouts, training, and in all; and how busy an average sample kept the
+    rollout wait (mean over steps of the batch's mean / max generation seconds: 1 = no long tail)."""
+    def mean(key: str) -> Optional[float]:
+        vals = [float(h[key]) for h in history if isinstance(h.get(key), (int, float))]
+        return statistics.fmean(vals) if vals else None
+
+    busy = [float(h["batch/gen_s_mean"]) / float(h["batch/gen_s_max"]) for h in history
+            if isinstance(h.get("batch/gen_s_max"), (int, float)) and h["batch/gen_s_max"] > 0]
+    return {"rollout_wait_s": mean("rollout_wait_s"), "train_s": mean("train_s"), "step_s": mean("step_s"),
+            "gen_busy": statistics.fmean(busy) if busy else None}
 
 
 def backfill_diagnostics(out: Path, runs_dir: Path) -> int:
@@ -160,7 +262,9 @@ def run_figures(history: Sequence[dict], target: float) -> dict[str, Any]:
             "gen_tokens_per_s": s["gen_tokens_per_s"], "gen_groups_per_s": s["gen_groups_per_s"],
             "trained_tokens_per_s": c[-1][3] / wall if wall else None,  # the paper's effective training throughput
             "staleness_mean": s["staleness_mean"], "token_staleness_mean": s["token_staleness_mean"],
-            "sync_s": s["sync_s"], "split": s.get("split"), "diag": diagnostics(history), "curve": c}
+            "sync_s": s["sync_s"], "split": s.get("split"), "diag": diagnostics(history), "phases": phases(history),
+            "generation": {k: s[k] for k in ("gen_len_mean", "gen_len_max", "gen_len_max_over_median",
+                                             "gen_s_max_over_median") if k in s}, "curve": c}
 
 
 def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[str, Any]:
@@ -171,9 +275,7 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
     runs_dir = Path(a.runs_dir).resolve()
     trial = f"{v['name']}_s{seed}"
     shutil.rmtree(runs_dir / "bench_paper" / trial, ignore_errors=True)  # a run cut short starts again
-    entry = ["-m", "mega_async.pinning", "--"] if v["pin"] else ["-m", "mega_async.cli"]
-    cmd = [sys.executable, *entry, "train", "-c", a.config, *overrides(v, seed, a.steps, runs_dir, sft_dir),
-           *a.overrides]
+    cmd = train_command(v, seed, a, runs_dir, sft_dir)
     t0 = time.monotonic()
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.timeout,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -185,6 +287,14 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
            **run_figures(read_metrics(run_dir), a.target)}
     out["final_eval"] = final_eval(run_dir / "final_hf", sft_dir / "eval.jsonl", seed)
     return out
+
+
+def train_command(v: dict, seed: int, a: argparse.Namespace, runs_dir: Path, sft_dir: Path) -> list[str]:
+    """The `mega-async train` command line of one (variant, seed) (pinned through mega_async.pinning or not)."""
+    entry = ["-m", "mega_async.pinning", "--"] if v["pin"] else ["-m", "mega_async.cli"]
+    lr = base_lr(a.config) if v.get("lr_scale", 1.0) != 1.0 else None
+    return [sys.executable, *entry, "train", "-c", a.config, *overrides(v, seed, a.steps, runs_dir, sft_dir, lr),
+            *a.overrides]
 
 
 def final_eval(model_dir: Path, eval_file: Path, seed: int) -> dict[str, float]:
@@ -281,12 +391,12 @@ def aggregate(runs: list[dict]) -> list[dict[str, Any]]:
     """Per variant: each figure's mean and 95% interval over seeds; time to target counts the seeds that got
     there; accuracy at the step every run of the variant reached (the same-step comparison)."""
     rows = []
-    order = {v["name"]: i for i, v in enumerate(all_variants())}
+    order = variant_order()
     for name in sorted(dict.fromkeys(r["name"] for r in runs), key=lambda n: (order.get(n, len(order)), n)):
         rs = [r for r in runs if r["name"] == name]
         first = rs[0]
         same = min(r["curve"][-1][0] for r in rs)
-        row = {k: first[k] for k in ("name", "eta", "objective", "interrupt", "pin")}
+        row = {k: first.get(k) for k in ("name", "eta", "objective", "interrupt", "pin", "stale")}
         row.update(seeds=sorted(r["seed"] for r in rs), same_step=same,
                    reached=sum(r["time_to_target_s"] is not None for r in rs))
         for f in ("wall_s", "reward_final", "time_to_target_s", "gen_tokens_per_s", "gen_groups_per_s",
@@ -297,6 +407,86 @@ def aggregate(runs: list[dict]) -> list[dict[str, Any]]:
             row[f"eval_{k}"] = t_interval([(r.get("final_eval") or {}).get(k) for r in rs])
         rows.append(row)
     return rows
+
+
+def reward_at_time(c: Sequence[Sequence[float]], t: float, window: int = TAIL) -> Optional[float]:
+    """Reward over the `window` steps ending at the last step finished by elapsed second `t` (None: none was)."""
+    i = max((k for k, r in enumerate(c) if r[1] <= t), default=None)
+    return window_reward(c, i, window) if i is not None else None
+
+
+def headline(runs: list[dict]) -> dict[str, Any]:
+    """The sweep's headline against its sync runs: sync's final reward (mean over its seeds of the last TAIL
+    steps) and per variant the time to reach it, the reward at equal wall time (the shortest run's wall clock,
+    which every run reached), the step-time speed-up over sync, and the overlap bound from the sync runs' own
+    phase times: (rollout + train) / max(rollout, train), and adjusted for the long tail, where the rollout counts
+    only the share of its wait an average sample was generating (a full pipeline fills the rest):
+    (rollout + train) / max(rollout * busy, train). Empty without sync runs."""
+    sync = [r for r in runs if r["name"] == "sync"]
+    if not sync:
+        return {}
+    target = statistics.fmean(r["reward_final"] for r in sync)
+    t_eq = min(r["curve"][-1][1] for r in runs)
+    ph = [r.get("phases") or {} for r in sync]
+    R = [p["rollout_wait_s"] for p in ph if p.get("rollout_wait_s") is not None]
+    T = [p["train_s"] for p in ph if p.get("train_s") is not None]
+    busy = [p["gen_busy"] for p in ph if p.get("gen_busy") is not None]
+    bound = bound_tail = None
+    if R and T:
+        r_, t_ = statistics.fmean(R), statistics.fmean(T)
+        bound = (r_ + t_) / max(r_, t_)
+        bound_tail = (r_ + t_) / max(r_ * (statistics.fmean(busy) if busy else 1.0), t_)
+    sync_step = statistics.fmean(r["wall_s"] / len(r["curve"]) for r in sync)
+    per: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        rs = [r for r in runs if r["name"] == name]
+        tt = [time_to_target(r["curve"], target, TAIL) for r in rs]
+        step = t_interval([r["wall_s"] / len(r["curve"]) for r in rs])
+        speed = sync_step / step["mean"] if step["mean"] else None
+        per[name] = {"time_to_sync_final_s": t_interval(tt), "reached": sum(t is not None for t in tt),
+                     "acc_equal_wall": t_interval([reward_at_time(r["curve"], t_eq) for r in rs]),
+                     "step_s": step, "speedup": speed,
+                     "fraction_of_bound": speed / bound if speed and bound else None,
+                     "fraction_of_tail_bound": speed / bound_tail if speed and bound_tail else None}
+    return {"sync_final_reward": target, "equal_wall_s": t_eq, "bound": bound, "bound_tail": bound_tail,
+            "sync_rollout_wait_frac": (statistics.fmean(R) / (statistics.fmean(R) + statistics.fmean(T))
+                                       if R and T else None), "variants": per}
+
+
+def headline_table(h: dict[str, Any], order: Sequence[str]) -> str:
+    """Markdown: per variant the time to sync's final reward, the reward at equal wall time, the speed-up per step
+    and the fraction of the overlap bound it achieves."""
+    if not h:
+        return "(no sync runs: no headline)"
+    f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)  # noqa: E731
+    lines = [f"Sync's final reward {h['sync_final_reward']:.3f} (mean of its last {TAIL} steps over seeds); equal wall "
+             f"time {h['equal_wall_s']:.0f} s; overlap bound from sync's phases {f(h['bound'])}x, long-tail adjusted "
+             f"{f(h['bound_tail'])}x (sync waits for rollouts {f(h['sync_rollout_wait_frac'])} of rollout + train).",
+             "", "| variant | time to sync's final reward s (seeds reaching) | reward at equal wall time | s / step | "
+             "speed-up per step | of bound | of long-tail bound |", "|---|---|---|---|---|---|---|"]
+    for name in order:
+        v = h["variants"].get(name)
+        if v is None:
+            continue
+        n = v["step_s"]["n"]
+        lines.append(f"| {name} | {_ci(v['time_to_sync_final_s'], '{:.0f}')} ({v['reached']}/{n}) | "
+                     f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'])}x | "
+                     f"{f(v['fraction_of_bound'])} | {f(v['fraction_of_tail_bound'])} |")
+    return "\n".join(lines)
+
+
+def best_eta(runs: list[dict]) -> Optional[int]:
+    """The decoupled, interruptible eta that reaches sync's final reward soonest (most seeds reaching first, then
+    the shortest mean time); None before any has results."""
+    h = headline(runs)
+    cands = []
+    for r in {r["name"]: r for r in runs if r["eta"] > 0 and r["objective"] == "dec" and r["interrupt"] == "abort"
+              and r["pin"] and not r.get("stale") and r.get("lr_scale", 1.0) == 1.0 and not r.get("minibatches")}.values():
+        v = (h.get("variants") or {}).get(r["name"])
+        if v:
+            t = v["time_to_sync_final_s"]["mean"]
+            cands.append((-v["reached"], t if t is not None else math.inf, r["eta"]))
+    return min(cands)[2] if cands else None
 
 
 def _ci(s: dict, fmt: str = "{:.3f}") -> str:
@@ -320,7 +510,8 @@ def table2(rows: list[dict], meta: dict) -> str:
         if sync is not None and sync["wall_s"]["mean"] and r["wall_s"]["mean"]:
             sp = f"{sync['wall_s']['mean'] / r['wall_s']['mean']:.2f}x"
         lines.append("| " + " | ".join([
-            r["name"], str(r["eta"]), "(same at eta 0)" if r["eta"] == 0 else
+            r["name"], str(r["eta"]), (f"sync fed {r['stale']}-version-old batches" if r.get("stale") else
+                                       "(same at eta 0)") if r["eta"] == 0 else
             ("decoupled" if r["objective"] == "dec" else "naive PPO"), r["interrupt"],
             "yes" if r["pin"] else "no", str(len(r["seeds"])), _ci(r["eval_greedy"]), _ci(r["eval_sampled_t1"]),
             _ci(r["reward_final"]), f"{_ci(r['acc_same_step'])} ({r['same_step']})", _ci(r["wall_s"], "{:.0f}"), sp,
@@ -331,7 +522,7 @@ def table2(rows: list[dict], meta: dict) -> str:
 
 def diagnostics_table(runs: list[dict]) -> str:
     """Markdown: per variant the mean over seeds (those whose runs recorded them) of each diagnostic."""
-    order = {v["name"]: i for i, v in enumerate(all_variants())}
+    order = variant_order()
     names = sorted({r["name"] for r in runs if r.get("diag")}, key=lambda n: (order.get(n, len(order)), n))
     head = ["variant", "seeds"] + list(DIAG.values())
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -445,10 +636,15 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
     (out / "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     sft = meta.get("sft_eval")
-    head = ("# Table 2 (addition task): mean ± 95% Student-t half-width over seeds\n\n"
+    task = "countdown task (long tail)" if meta.get("sweep") == "longtail" else "addition task"
+    order = sorted({r["name"] for r in runs}, key=lambda n: (variant_order().get(n, 10**6), n))
+    hl = headline_table(headline(runs), order)
+    head = (f"# Table 2 ({task}): mean ± 95% Student-t half-width over seeds\n\n"
             + (f"SFT start: held-out exact match greedy {sft['greedy']:.3f}, sampled (t=1) {sft['sampled_t1']:.3f} "
                f"over {sft['problems']} problems.\n\n" if sft else ""))
-    (out / "table2.md").write_text(f"{head}{text}\n\n{json.dumps({k: v for k, v in meta.items() if k != 'sft_eval'})}\n")
+    (out / "table2.md").write_text(f"{head}{text}\n\n## Headline: time to sync's final reward, reward at equal wall "
+                                   f"time, overlap bound\n\n{hl}\n\n"
+                                   f"{json.dumps({k: v for k, v in meta.items() if k != 'sft_eval'})}\n")
     if any(r.get("diag") for r in runs):
         (out / "diagnostics.md").write_text(
             "What the objective saw (means over steps, then mean ± 95% interval over seeds); "
@@ -462,22 +658,30 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", "-c", default="configs/addition_rl_cpu.yaml")
-    ap.add_argument("--sft-config", default="configs/addition_sft_cpu.yaml")
-    ap.add_argument("--sft-dir", default="runs/addition_sft/run0", help="the SFT run (trained first if absent)")
-    ap.add_argument("--variants", default=None, help="comma-separated names or globs (default: all; --list)")
+    ap.add_argument("--sweep", choices=sorted(SWEEPS), default="paper",
+                    help="paper: the addition task (Table 2, the controls); longtail: the countdown task")
+    ap.add_argument("--config", "-c", default=None, help="the RL config (default: the sweep's)")
+    ap.add_argument("--sft-config", default=None)
+    ap.add_argument("--sft-dir", default=None, help="the SFT run (trained first if absent)")
+    ap.add_argument("--variants", default=None, help="comma-separated names or globs (default: the sweep's; --list)")
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
+    ap.add_argument("--dry-run", action="store_true", help="print every run's command line and exit; nothing runs")
+    ap.add_argument("--nointr-eta", type=int, default=None,
+                    help="longtail: the eta of the interrupt=none run (default: the best eta, from the results)")
     ap.add_argument("--seeds", default="1,2,3,4,5")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--target", type=float, default=0.7, help="reward for time-to-target (3-step mean)")
-    ap.add_argument("--out", default="benchmarks/paper")
-    ap.add_argument("--runs-dir", default="runs/bench_paper_runs")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--target", type=float, default=None, help="reward for time-to-target (3-step mean)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--runs-dir", default=None)
     ap.add_argument("--from-results", default=None, help="an output directory or runs.json: redraw, run nothing")
     ap.add_argument("--diagnose", action="store_true", help="with --from-results DIR: add the objective's diagnostics "
                                                             "to raw results from their runs under --runs-dir first")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for one run")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     a = ap.parse_args(argv)
+    for k, v in SWEEPS[a.sweep].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     out = Path(a.out)
     if a.from_results:
         if a.diagnose:
@@ -487,17 +691,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"bench_paper: no results in {a.from_results}")
         print(write_outputs(runs, out, meta))
         return 0
-    variants = pick(all_variants(), a.variants)
+    universe = sweep_variants(a.sweep)
+    variants = pick(universe, a.variants)
     if a.list:
         print("\n".join(f"{v['name']}: eta {v['eta']}, {v['objective']}, interrupt {v['interrupt']}, "
-                        f"pinned {v['pin']}" for v in variants))
+                        f"pinned {v['pin']}, stale {v['stale']}, lr x{v['lr_scale']}, "
+                        f"mini-batches {v['minibatches'] or 'config'}" for v in variants))
         return 0
-    seeds = [int(s) for s in a.seeds.split(",")]
+    seeds = [int(x) for x in a.seeds.split(",")]
+    nointr = a.sweep == "longtail" and a.variants == SWEEPS["longtail"]["variants"]  # the default longtail set
+    if a.dry_run:
+        runs_dir, sft_dir = Path(a.runs_dir).resolve(), Path(a.sft_dir)
+        print(f"# sweep {a.sweep}: sft {a.sft_config} -> {sft_dir} (skipped when its final_hf/ exists); "
+              f"{len(variants)} variants x {len(seeds)} seeds; results under {out}/raw")
+        for seed in seeds:
+            for v in variants:
+                print(" ".join(train_command(v, seed, a, runs_dir, sft_dir)))
+        if nointr:
+            print(f"# then eta{{E}}-dec-nointr for every seed, E = {a.nointr_eta or 'the best eta from the results'}")
+        return 0
     sft_dir, sft_eval = ensure_sft(a)
-    meta = {"config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target, "overrides": a.overrides,
-            "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir), "sft_eval": sft_eval,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _, failed = sweep(variants, seeds, out, lambda v, s: run_one(v, s, a, sft_dir))
+    meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
+            "overrides": a.overrides, "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
+            "sft_eval": sft_eval, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    _, failed = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir))
+    if nointr:  # interrupt=none at the eta that reached sync's final reward soonest
+        eta = a.nointr_eta or best_eta(load_results(out)[0])
+        if eta is not None:
+            extra = pick(universe, f"eta{eta}-dec-nointr")
+            variants += extra
+            failed += sweep(extra, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir))[1]
     runs, before = load_results(out)  # everything recorded so far, this sweep's and earlier ones
     if not runs:
         print(f"bench_paper: no run finished ({len(failed)} failed); nothing to draw", file=sys.stderr)

@@ -114,11 +114,26 @@ def summarize(history: Sequence[dict], reward_threshold: float = 0.8, tail: int 
         "staleness_mean": sum(k * v for k, v in hist.items()) / n_hist if n_hist else None,
         "staleness_max": max(hist) if hist else None,
     }
+    out.update(generation_spread(history))
     if step_s > 0:
         other = max(0.0, step_s - wait - train - sync)  # timings are rounded: parts may pass step_s a little
         total = wait + train + sync + other
         out["split"] = {k: v / total for k, v in
                         (("rollout_wait", wait), ("train", train), ("sync", sync), ("other", other))}
+    return out
+
+
+def generation_spread(history: Sequence[dict]) -> dict[str, float]:
+    """Generation lengths and their long tail over a run (means over steps of the batch/* statistics; empty for
+    metrics without them): output tokens per sequence (mean, max) and, per batch, the longest sequence's tokens
+    and generation seconds over the batch's median."""
+    out = {}
+    for key, name in (("batch/gen_len_mean", "gen_len_mean"), ("batch/gen_len_max", "gen_len_max"),
+                      ("batch/gen_len_max_over_median", "gen_len_max_over_median"),
+                      ("batch/gen_s_max_over_median", "gen_s_max_over_median")):
+        vals = _col(history, key)
+        if vals:
+            out[name] = statistics.fmean(vals)
     return out
 
 
@@ -140,6 +155,10 @@ def summary_table(s: dict[str, Any]) -> str:
             ("weight sync (MB/s, median)", s["sync_bytes_per_s"] / 1e6 if s["sync_bytes_per_s"] else None),
             ("staleness mean / max (groups)", f"{_fmt(s['staleness_mean'])} / {_fmt(s['staleness_max'])}"),
             ("token staleness (mean)", s["token_staleness_mean"])]
+    if "gen_len_mean" in s:
+        rows.append(("generated tokens / seq: mean, batch max", f"{_fmt(s['gen_len_mean'])}, {_fmt(s['gen_len_max'])}"))
+        rows.append(("slowest / median sample: tokens, seconds", f"{_fmt(s['gen_len_max_over_median'])}, "
+                                                                  f"{_fmt(s.get('gen_s_max_over_median'))}"))
     if "split" in s:
         rows.append(("step time split", "  ".join(f"{k} {100 * v:.0f}%" for k, v in s["split"].items())))
     width = max(len(k) for k, _ in rows)

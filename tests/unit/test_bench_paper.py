@@ -16,14 +16,14 @@ spec.loader.exec_module(bp)
 
 def test_variants_cover_the_paper_sweep():
     names = [v["name"] for v in bp.all_variants()]
-    assert names[0] == "sync" and len(names) == len(set(names)) == 1 + 2 * 5 + 1 + 6
+    assert names[0] == "sync" and len(names) == len(set(names)) == 1 + 2 * 5 + 1 + 6 + 3 + 6  # + issue 35's controls
     for e in (1, 2, 4, 8, 16):
         assert {f"eta{e}-dec", f"eta{e}-ppo", f"eta{e}-dec-unpinned"} <= set(names)
     v = {x["name"]: x for x in bp.all_variants()}
     assert v["eta4-dec-nointr"]["interrupt"] == "none" and v["eta8-ppo"]["objective"] == "ppo"
     assert not v["sync-unpinned"]["pin"] and v["sync"]["pin"]
     assert [x["name"] for x in bp.pick(bp.all_variants(), "sync,eta1-*")] == [
-        "sync", "eta1-dec", "eta1-ppo", "eta1-dec-unpinned"]
+        "sync", "eta1-dec", "eta1-ppo", "eta1-dec-unpinned", "eta1-dec-lr4", "eta1-dec-mb1"]
     with pytest.raises(SystemExit, match="eta3"):
         bp.pick(bp.all_variants(), "eta3-dec")
     ov = bp.overrides(v["eta8-ppo"], 3, 100, Path("/r"), Path("/s"))
@@ -175,4 +175,59 @@ def test_diagnostics_backfilled_from_the_runs_metrics(tmp_path):
     assert [r["diag"]["train/staleness"] for r in runs] == [1.5, 2.5]
     table = bp.diagnostics_table(runs)
     # mean 2.0, half-width t(0.975, 1) * stdev / sqrt 2 = 12.706 * 0.7071 / 1.414 = 6.353
-    assert "| eta4-dec | 2 | 2 ± 6.353 | 1 ± 0 | - | 0.1 ± 0 | - |" in table
+    # columns: staleness, weight mean, p1, p50, p99, capped, clipped, KL, ... (the filter and batch ones absent)
+    assert "| eta4-dec | 2 | 2 ± 6.353 | 1 ± 0 | - | - | - | - | 0.1 ± 0 | - |" in table
+
+
+def test_controls_and_the_longtail_sweep_make_their_overrides():
+    v = {x["name"]: x for x in bp.all_variants()}
+    ov = bp.overrides(v["stale2"], 1, 50, Path("/r"), Path("/s"))
+    assert "rollout.max_staleness=0" in ov and "rollout.stale_batches=2" in ov
+    ov = bp.overrides(v["eta1-dec-lr4"], 1, 50, Path("/r"), Path("/s"), lr=2e-4)
+    assert "trainer.lr=5e-05" in ov and "rollout.max_staleness=1" in ov and not any("stale_batches" in o for o in ov)
+    with pytest.raises(ValueError, match="lr"):
+        bp.overrides(v["sync-lr4"], 1, 50, Path("/r"), Path("/s"))
+    assert "trainer.ppo_n_minibatches=1" in bp.overrides(v["stale1-mb1"], 1, 50, Path("/r"), Path("/s"))
+    assert not any("minibatches" in o or "lr=" in o for o in bp.overrides(v["sync"], 1, 50, Path("/r"), Path("/s")))
+    lt = [x["name"] for x in bp.pick(bp.longtail_variants(), bp.SWEEPS["longtail"]["variants"])]
+    assert lt == ["sync", "eta1-dec", "eta2-dec", "eta4-dec", "eta8-dec", "eta4-ppo", "eta8-ppo"]
+
+
+def test_dry_run_prints_every_run_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "lt"
+    assert bp.main(["--sweep", "longtail", "--dry-run", "--seeds", "1,2", "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    cmds = [x for x in lines if not x.startswith("#")]
+    assert len(cmds) == 7 * 2 and all("configs/countdown_rl_cpu.yaml" in c and " train " in c for c in cmds)
+    assert "trial_name=eta8-ppo_s2" in cmds[-1] and "algorithm.prox_logp=behavior" in cmds[-1]
+    assert "nointr" in lines[-1] and not out.exists()  # nothing written, no SFT started
+    assert bp.main(["--variants", "stale1-lr4", "--dry-run", "--seeds", "3"]) == 0
+    cmd = capsys.readouterr().out.splitlines()[-1]
+    assert "rollout.stale_batches=1" in cmd and "trainer.lr=5e-05" in cmd  # a quarter of configs/addition_rl_cpu's
+
+
+def with_phases(r, wait, train, busy):
+    r["phases"] = {"rollout_wait_s": wait, "train_s": train, "step_s": wait + train, "gen_busy": busy}
+    return r
+
+
+def test_headline_time_to_sync_final_equal_wall_and_bound_by_hand():
+    runs = []
+    for seed in (1, 2):  # sync: final reward (mean of the last TAIL=5 steps) 0.6, 2 s per step
+        runs.append(with_phases(fake("sync", seed, eta=0, rewards=(0.2, 0.4, 0.6, 0.6, 0.6, 0.6, 0.6), wall=14.0),
+                                1.5, 0.5, 0.4))
+        runs[-1]["reward_final"] = 0.6  # what run_figures records: the last TAIL steps
+        runs.append(fake("eta2-dec", seed, eta=2, rewards=(0.2, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6), wall=7.0))
+        runs.append(fake("eta8-dec", seed, eta=8, rewards=(0.2, 0.3, 0.3, 0.3, 0.3, 0.3, 0.3), wall=7.0))
+    h = bp.headline(runs)
+    assert h["sync_final_reward"] == pytest.approx(0.6) and h["equal_wall_s"] == 7.0
+    assert h["bound"] == pytest.approx(2.0 / 1.5) and h["bound_tail"] == pytest.approx(2.0 / 0.6)  # 1.5*0.4 = 0.6
+    d = h["variants"]["eta2-dec"]
+    assert d["reached"] == 2 and d["time_to_sync_final_s"]["mean"] == pytest.approx(6.0)  # window 5 ends at step 5
+    assert d["speedup"] == pytest.approx(2.0) and d["fraction_of_tail_bound"] == pytest.approx(2.0 / (2.0 / 0.6))
+    assert h["variants"]["eta8-dec"]["reached"] == 0
+    assert h["variants"]["sync"]["acc_equal_wall"]["mean"] == pytest.approx((0.2 + 0.4 + 0.6) / 3)  # steps 0-2 by 7 s
+    assert bp.best_eta(runs) == 2
+    text = bp.headline_table(h, ["sync", "eta2-dec", "eta8-dec"])
+    assert "| eta2-dec | 6 ± 0 (2/2) |" in text and "| eta8-dec | - (0/2) |" in text
+    assert bp.headline([r for r in runs if r["name"] != "sync"]) == {}
