@@ -1,5 +1,6 @@
-"""`mega-async sft`: supervised fine-tuning of a model card on the addition task through the Megatron train
-engine (`EngineConfig.loss="sft"`: cross-entropy of the answer tokens), one rank.
+"""`mega-async sft`: supervised fine-tuning of a model card on a generated task (task.name: addition, or the
+long-tailed countdown) through the Megatron train engine (`EngineConfig.loss="sft"`: cross-entropy of the answer
+tokens), one rank.
 
     mega-async sft -c configs/addition_sft_cpu.yaml [key=value ...]
 
@@ -35,9 +36,16 @@ class SFTModel:
     init: str = "random"
 
 
+TASKS = ("addition", "countdown")
+
+
 @dataclass
 class SFTTask:
+    # addition (mega_async.data.addition) | countdown (mega_async.data.countdown: long-tailed worked answers)
+    name: str = "addition"
     digits: int = 3
+    min_count: int = 1  # countdown: the count a - b is log-uniform in [min_count, max_count]
+    max_count: int = 74
     eval_size: int = 256  # held-out problems scored at the end (and every eval_interval steps)
     rl_prompts: int = 4096  # train-split prompts written for the RL run
     eval_samples: int = 4  # samples per eval problem at temperature 1 (besides the greedy answer)
@@ -99,6 +107,11 @@ class SFTConfig:
                 raise ConfigError(f"{key}={v} must be >= 1")
         if not 1 <= k.digits <= 9:
             raise ConfigError(f"task.digits={k.digits} must be in [1, 9]")
+        if k.name not in TASKS:
+            raise ConfigError(f"task.name={k.name!r} is not one of {', '.join(TASKS)}")
+        if k.name == "countdown" and not 1 <= k.min_count <= k.max_count < 10 ** k.digits:
+            raise ConfigError(f"task.min_count={k.min_count}, task.max_count={k.max_count}: need 1 <= min_count <= "
+                              f"max_count < 10**task.digits = {10 ** k.digits}")
         if t.lr <= 0 or not 0 <= t.min_lr <= t.lr:
             raise ConfigError(f"trainer.lr={t.lr} must be > 0 and trainer.min_lr={t.min_lr} in [0, lr]")
         if not 0 <= t.warmup_steps < t.total_steps:
@@ -122,6 +135,23 @@ def load_sft_config(path: Optional[str], overrides: Sequence[str] = ()) -> SFTCo
     `mega-async train` (mega_async.config.load_typed); trainer.steps loads as trainer.total_steps, with a warning."""
     return load_typed(SFTConfig, path, overrides, command="mega-async sft", example="configs/addition_sft_cpu.yaml",
                       renamed=RENAMED)
+
+
+def task_items(task: SFTTask, n: int, tokenizer: Any, seed: int, split: str) -> list[dict[str, Any]]:
+    """`n` items {input_ids, prompt, answer} of the configured task's `split`."""
+    if task.name == "countdown":
+        from mega_async.data.countdown import countdown_items
+
+        return countdown_items(n, task.digits, tokenizer, seed, split, task.min_count, task.max_count)
+    from mega_async.data.addition import addition_items
+
+    return addition_items(n, task.digits, tokenizer, seed=seed, split=split)
+
+
+def task_char_ids(task: SFTTask, tokenizer: Any) -> dict[str, int]:
+    from mega_async.data import addition, countdown
+
+    return (countdown if task.name == "countdown" else addition).char_ids(tokenizer)
 
 
 def sft_batch(examples: Sequence[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
@@ -201,7 +231,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from mega_async.allocation import parse_allocation
-    from mega_async.data.addition import addition_items, char_ids, sft_example, write_jsonl
+    from mega_async.data.addition import sft_example, write_jsonl
     from mega_async.run.metrics import Metrics
     from mega_async.model_cards import has_weights, init_random_weights
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
@@ -222,16 +252,15 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
     elif not has_weights(cfg.model.path):
         raise ConfigError(f"model.init=pretrained but {cfg.model.path} has no weights; use model.init=random")
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    ids, eos = char_ids(tok), tok.eos_token_id
-    train = addition_items(t.total_steps * t.batch_size, k.digits, tok, seed=cfg.seed, split="train")
-    held = addition_items(k.eval_size, k.digits, tok, seed=0, split="eval")
+    ids, eos = task_char_ids(k, tok), tok.eos_token_id
+    train = task_items(k, t.total_steps * t.batch_size, tok, cfg.seed, "train")
+    held = task_items(k, k.eval_size, tok, 0, "eval")
     seen = {it["prompt"] for it in held}  # the stop decision is taken on other held-out problems than the report
-    dev = [it for it in addition_items(k.eval_size, k.digits, tok, seed=1, split="eval") if it["prompt"] not in seen]
+    dev = [it for it in task_items(k, k.eval_size, tok, 1, "eval") if it["prompt"] not in seen]
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "sft_config.yaml").write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))
     write_jsonl(held, run_dir / "eval.jsonl")
-    write_jsonl(addition_items(k.rl_prompts, k.digits, tok, seed=cfg.seed + 1000, split="train"),
-                run_dir / "rl_prompts.jsonl")
+    write_jsonl(task_items(k, k.rl_prompts, tok, cfg.seed + 1000, "train"), run_dir / "rl_prompts.jsonl")
     torch.manual_seed(cfg.seed)
     init_distributed()
     engine = MegatronTrainEngine(start, parse_allocation("megatron:d1"), EngineConfig.of(
