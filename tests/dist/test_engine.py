@@ -2,6 +2,7 @@
 single-rank weights; the loss does not depend on the micro-batch count or the DP split; vocab-parallel
 logprobs and entropy (and their gradients) equal the full-vocabulary reference."""
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,7 @@ def test_single_rank_step_moves_weights_and_reports_stats(moe, reference):
     assert max((weights[k] - src[k]).abs().max().item() for k in src) > 1e-4
     assert stats["tokens"] == 102 and 0 < stats["entropy"] < 7.0
     assert stats["staleness"] > 0 and stats["imp_weight_capped_frac"] > 0  # versions 0/1 at version 2; cap 5
+    assert stats["behav_w_p01"] < 1.0 < stats["behav_w_p99"]  # stale tokens: weights on both sides of 1
     assert stats["approx_kl"] == pytest.approx(0.0, abs=1e-6)  # recomputed prox = current policy before the step
 
 
@@ -82,6 +84,8 @@ def test_ppo_step_parity(runs, reference, name):
     diff = max((w[k] - ref_w[k]).abs().max().item() for k in ref_w)
     assert diff < 1e-5, f"{name}: weights differ by {diff}"
     assert s["loss"] == pytest.approx(ref_s["loss"], abs=1e-6) and s["tokens"] == ref_s["tokens"]
+    for q in ("p01", "p50", "p99"):  # the behaviour-weight histogram is summed over micro-batches, DP and across PP
+        assert abs(math.log(s[f"behav_w_{q}"] / ref_s[f"behav_w_{q}"])) <= 0.0101, (name, q)  # within one bin
 
 
 @pytest.fixture(scope="module")
