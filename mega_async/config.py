@@ -282,9 +282,16 @@ class TrainerConfig:
     # embedded servers, checksum on SGLang
     verify_sync_method: str = "auto"
     eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
+    # multi-token-prediction layers (num_nextn_predict_layers: DeepSeek-V3, GLM-4.5), which SGLang serves as its
+    # NextN draft: train (jointly, their cross-entropy x mtp_loss_scaling_factor beside the policy loss, logged as
+    # mtp_loss) | freeze (never run, carried unchanged). Ignored by models without them.
+    mtp: str = "train"
+    mtp_loss_scaling_factor: float = 0.1
 
     def validate(self) -> None:
         _positive("trainer.eval_interval", self.eval_interval, allow_zero=True)
+        _choice("trainer.mtp", self.mtp, ("train", "freeze"))
+        _positive("trainer.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, allow_zero=True)
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.lr", self.lr)
         if self.min_lr < 0 or self.min_lr > self.lr:

@@ -86,12 +86,14 @@ def swap_in(tmp: Path, out: Path) -> None:
 
 def model_tensor_names(names: list[str], models: Any) -> list[str]:
     """The checkpoint's tensors the model has: DeepSeek-V3 and GLM-4.5 checkpoints append their MTP layers as
-    model.layers.{num_hidden_layers}.* (a config with num_nextn_predict_layers 0 neither loads nor exports them)."""
+    model.layers.{num_hidden_layers + k}.* (loaded and exported for the config's num_nextn_predict_layers; a config
+    with fewer, e.g. 0, neither loads nor exports the others)."""
     import re
 
     from mega_async.bridge import bridge_for
 
-    layers = int(bridge_for(models).hf_config.num_hidden_layers)
+    bridge = bridge_for(models)
+    layers = int(bridge.hf_config.num_hidden_layers) + bridge.mtp_layers
     beyond = re.compile(r"^model\.layers\.(\d+)\.")
     # an FP8 block checkpoint's weight_scale_inv is part of its weight (loaded dequantized, exported in the dtype)
     return [n for n in names if not ((m := beyond.match(n)) and int(m[1]) >= layers) and not n.endswith("_scale_inv")]

@@ -77,6 +77,7 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         _random_router_bias(model)
+        _append_mtp_layers(cfg, model)  # transformers builds no MTP layers: saved beside the model's
     dst.mkdir(parents=True, exist_ok=True)
     import shutil
     import tempfile
@@ -97,6 +98,39 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     logger.info("wrote random-init weights (seed %d, %d params) to %s", seed,
                 sum(p.numel() for p in model.parameters()), dst)
     return dst
+
+
+def _append_mtp_layers(cfg: Any, model: torch.nn.Module) -> None:
+    """A config with multi-token-prediction layers (num_nextn_predict_layers, DeepSeek-V3 and GLM-4.5) gets them
+    as the published checkpoints hold them, model.layers.{num_hidden_layers + k}.*: a decoder block initialised by
+    transformers (as layer num_hidden_layers + k), enorm / hnorm / shared_head.norm at one, eh_proj drawn like the
+    other linears, and copies of the embedding and head (embed_tokens, shared_head.head). Appended to the model's
+    layers, so save_pretrained writes them under its checkpoint names (experts one by one); drawn from the seeded
+    generator after the model: deterministic."""
+    import torch
+
+    k_layers = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
+    n, h = int(cfg.num_hidden_layers), int(cfg.hidden_size)
+    std = float(getattr(cfg, "initializer_range", 0.02))
+    for k in range(k_layers):
+        layer = type(model.model.layers[-1])(cfg, n + k).float()
+        for sub in layer.modules():
+            model._init_weights(sub)
+        _random_router_bias(layer)
+        norm = type(model.model.norm)
+        layer.enorm, layer.hnorm = norm(h, eps=cfg.rms_norm_eps), norm(h, eps=cfg.rms_norm_eps)
+        layer.eh_proj = torch.nn.Linear(2 * h, h, bias=False)
+        torch.nn.init.normal_(layer.eh_proj.weight, 0.0, std)
+        layer.shared_head = torch.nn.Module()
+        layer.shared_head.norm = norm(h, eps=cfg.rms_norm_eps)
+        layer.shared_head.head = torch.nn.Linear(h, int(cfg.vocab_size), bias=False)
+        layer.embed_tokens = torch.nn.Embedding(int(cfg.vocab_size), h)
+        with torch.no_grad():
+            for w in (layer.enorm.weight, layer.hnorm.weight, layer.shared_head.norm.weight):
+                w.fill_(1.0)
+            layer.shared_head.head.weight.copy_(model.lm_head.weight)
+            layer.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
+        model.model.layers.append(layer)
 
 
 def _random_router_bias(model: torch.nn.Module, std: float = 0.02) -> None:

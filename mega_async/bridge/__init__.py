@@ -18,11 +18,12 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from mega_async.bridge import fp8
+from mega_async.bridge import fp8, mtp
 from mega_async.safe_load import SafetensorsDir
 
 logger = logging.getLogger("mega_async.bridge")
 
+_MAIN = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "output_layer.weight": "lm_head.weight"}
 _EXPERT_LOCAL = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _EXPERT_TE = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
@@ -56,6 +57,8 @@ class HFBridge:
             raise RuntimeError("layer_spec=te needs CUDA and transformer-engine (pip install -e .[gpu])")
         self.use_te = self._te_available() if layer_spec == "auto" else layer_spec == "te"
         self.mb = self.family.mbridge(self.hf_config, dtype)
+        self.num_layers = int(self.hf_config.num_hidden_layers)
+        self.mtp_layers = mtp.mtp_layers(self.hf_config)  # multi-token-prediction layers (mega_async.bridge.mtp)
         self.config = self.mb.config  # Megatron's TransformerConfig (trainer.model sets its run options)
 
     @staticmethod
@@ -82,6 +85,7 @@ class HFBridge:
         if m:
             layer = _unwrap(model).decoder.layers[int(m[1])].layer_number - 1
             name = f"decoder.layers.{layer}." + name[m.end():]
+        name = mtp.global_name(name, self.num_layers)  # an MTP layer's decoder block: HF layer num_layers + k
         name = self.family.global_name(name, self.is_moe)
         e = _EXPERT_LOCAL.search(name)
         if e:
@@ -97,7 +101,25 @@ class HFBridge:
         return name
 
     def hf_names(self, global_name: str) -> list[str]:
-        return self.mb._weight_name_mapping_mcore_to_hf(global_name)
+        return mtp.hf_names(global_name, self.num_layers) or self.mb._weight_name_mapping_mcore_to_hf(global_name)
+
+    def to_hf(self, global_name: str, full: torch.Tensor) -> tuple[list[str], list[torch.Tensor]]:
+        """A full Megatron tensor -> HF names and tensors (mbridge's split of fused tensors). The embedding and head
+        map to their main names only (mbridge's DeepSeek table would add a 61-layer model's MTP copies itself:
+        `export_names` adds them at any depth)."""
+        own = mtp.hf_names(global_name, self.num_layers)
+        if own:
+            return own, [full]
+        if global_name in _MAIN:
+            return [_MAIN[global_name]], [full]
+        return self.mb._weight_to_hf_format(global_name, full)
+
+    def export_names(self, hf_name: str, model: torch.nn.Module) -> list[str]:
+        """The HF names a tensor of this model chunk is exported under (the embedding and head also as the MTP
+        layers' copies where the chunk holds the MTP layers)."""
+        m = _unwrap(model)
+        return mtp.export_names(hf_name, self.num_layers, self.mtp_layers, bool(getattr(m, "pre_process", True)),
+                                bool(getattr(m, "mtp_process", False)))
 
     def tied(self) -> bool:
         return bool(getattr(self.hf_config, "tie_word_embeddings", False))
@@ -130,6 +152,8 @@ class HFBridge:
                 if missing:
                     raise KeyError(f"{hf_dir}: checkpoint lacks {missing[0]!r} (needed for {local})")
                 full = self.mb._weight_to_mcore_format(g, [reader.get(x) for x in names])
+                if getattr(_unwrap(model), "mtp_process", False) and len(names) == 1:
+                    _check_mtp_copies(reader, names[0], full, self.num_layers, self.mtp_layers)
                 size, rank = (etp, etp_rank) if ".mlp.experts." in g else (tp, tp_rank)
                 shard = self.mb._weight_split_across_tp(g, full, param, size)[rank] if size > 1 else full
                 if tuple(shard.shape) != tuple(param.shape):
@@ -139,6 +163,18 @@ class HFBridge:
                     param.copy_(shard.to(param.dtype))
                 n += 1
         return n
+
+
+def _check_mtp_copies(reader: Any, hf_name: str, full: torch.Tensor, num_layers: int, layers: int) -> None:
+    """The checkpoint's MTP-layer copies of the embedding and head should equal the main ones (Megatron and SGLang's
+    NextN draft share them): a copy that differs is not loaded, said once here."""
+    for copy in mtp.export_names(hf_name, num_layers, layers, False, True):
+        if copy != hf_name and copy in reader:
+            other = reader.get(copy)
+            if other.shape != full.shape or not torch.equal(other.to(full.dtype), full):
+                logger.warning("%s differs from %s: the MTP layer shares the model's %s (as SGLang's NextN draft "
+                               "does), so the copy is not loaded and is exported equal to it", copy, hf_name,
+                               hf_name)
 
 
 class HFTensors(SafetensorsDir):

@@ -67,11 +67,11 @@ class SigmoidRouted(Family):
     def check(self, hf: Any) -> None:
         where = _config_file(hf)
         mtp = int(getattr(hf, "num_nextn_predict_layers", 0) or 0)
-        if mtp > 0:
+        if mtp and getattr(hf, "tie_word_embeddings", False):
             raise UnsupportedModelError(
-                f"{hf.model_type}: num_nextn_predict_layers={mtp} asks for multi-token-prediction layers, which this "
-                f"trainer does not build or train (nor does transformers' model); set num_nextn_predict_layers to 0 "
-                f"in {where} (the checkpoint's MTP layers are then neither loaded nor exported)")
+                f"{hf.model_type}: num_nextn_predict_layers={mtp} with tie_word_embeddings=true is not supported (the "
+                f"MTP layers' head is exported as a copy of an untied lm_head); untie the embeddings or set "
+                f"num_nextn_predict_layers to 0 in {where}")
         topk = int(hf.num_experts_per_tok)
         if not getattr(hf, "norm_topk_prob", True) and topk > 1:
             raise UnsupportedModelError(
@@ -98,7 +98,9 @@ class SigmoidRouted(Family):
             moe_router_num_groups=groups if groups > 1 else None,
             moe_router_group_topk=int(hf.topk_group) if groups > 1 else None,
             moe_router_topk_scaling_factor=float(hf.routed_scaling_factor),
-            mtp_num_layers=None,  # refused in check() when the config asks for MTP layers
+            # multi-token-prediction layers (num_nextn_predict_layers): Megatron's MTP block, sharing the embedding
+            # and output layer; the trainer computes their loss itself (mega_async.trainer.mtp)
+            mtp_num_layers=int(getattr(hf, "num_nextn_predict_layers", 0) or 0) or None,
             # RL keeps the router's correction bias as the checkpoint has it (the weight sync sends it): no
             # aux-loss-free bias update, no load-balancing loss
             moe_router_bias_update_rate=0.0,

@@ -42,6 +42,7 @@ _MODULES = [
     "megatron.core.transformer.moe.token_dispatcher",  # torch.cuda.Stream/Event for the D2H side stream
     "megatron.core.transformer.moe.shared_experts",  # torch.cuda.Stream for overlap
     "megatron.core.models.gpt.gpt_model",
+    "megatron.core.transformer.multi_token_prediction",  # MTP loss tracker and CP roll on current_device()
     "megatron.core.models.common.embeddings.rotary_pos_embedding",  # freqs on current_device()
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens = torch.zeros(..., device="cuda")
     "megatron.core.pipeline_parallel.p2p_communication",  # shape tensors on current_device()

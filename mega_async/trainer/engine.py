@@ -26,8 +26,10 @@ from mega_async.types import Version, WeightVersion
 logger = logging.getLogger("mega_async.trainer.engine")
 
 STAT_KEYS = ("loss", "n_tokens", "entropy", "staleness", "clip_frac", "imp_weight_capped_frac",
-             "behav_imp_weight_mean", "approx_kl", "kl_ref", "lp_mismatch_sum", "lp_mismatch_n")
-_UNSCALED = ("n_tokens", "lp_mismatch_sum", "lp_mismatch_n")  # sums not divided by the token count
+             "behav_imp_weight_mean", "approx_kl", "kl_ref", "lp_mismatch_sum", "lp_mismatch_n", "mtp_loss",
+             "mtp_tokens")
+# sums not divided by the token count (the MTP layers' loss is divided by their own trained positions)
+_UNSCALED = ("n_tokens", "lp_mismatch_sum", "lp_mismatch_n", "mtp_loss", "mtp_tokens")
 
 
 @dataclass
@@ -116,6 +118,7 @@ class MegatronTrainEngine:
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
         self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
         self.bridge = self.models[0]._mega_async_bridge
+        self.mtp_trains = self._setup_mtp(strategy)  # multi-token-prediction layers (mega_async.trainer.mtp)
         # the reference policy for the KL penalty: a frozen copy of the initial weights, same layout
         self.ref_models: list[torch.nn.Module] = []
         if cfg.algorithm.kl_coef > 0:
@@ -152,6 +155,40 @@ class MegatronTrainEngine:
         if self.bridge.is_moe:
             self.routing = RouteReplay(self.models, int(self.bridge.hf_config.num_hidden_layers),
                                        cfg.algorithm.routing_replay)
+
+    def _setup_mtp(self, strategy: Any) -> bool:
+        """Models with MTP layers: trainer.mtp=train returns their logits in training (their loss is added in
+        `_loss`), freeze takes them out of training. Returns whether they train."""
+        from mega_async.trainer import mtp
+        from mega_async.trainer.parallel import AllocationError
+
+        if not self.bridge.mtp_layers:
+            return False
+        if self.cfg.trainer.mtp == "freeze":
+            logger.info("trainer.mtp=freeze: %d MTP parameters carried unchanged", mtp.freeze(self.models))
+            return False
+        if strategy.cp > 1:
+            raise AllocationError(f"training the model's {self.bridge.mtp_layers} MTP layer(s) with context parallel "
+                                  f"cp={strategy.cp} is not supported; use cp=1 or trainer.mtp=freeze")
+        for m in self.models:
+            m.mtp_logits = True
+        return True
+
+    def _loss(self, out: Any, mb: MicroBatch, loss_fn: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The objective's loss from the main logits, plus mtp_loss_scaling_factor x the MTP layers' cross-entropy
+        (a token sum) when they train; the MTP part is kept out of the objective's statistics."""
+        from mega_async.trainer.mtp import mtp_loss_sum, split_output
+
+        logits, mtp_logits = split_output(out)
+        res = loss_fn(logits[0], mb)
+        if not mtp_logits:
+            return res
+        loss, n, extra = res
+        total, count = mtp_loss_sum([x[0] for x in mtp_logits], mb.labels, mb.loss_mask, mb.packed.cu_seqlens)
+        with torch.no_grad():
+            for k, v in (("mtp_loss", total), ("mtp_tokens", count)):
+                self._stats[k] = self._stats.get(k, 0) + v.detach().float().cpu()
+        return loss + self.cfg.trainer.mtp_loss_scaling_factor * total, n, extra
 
     # ---- batching ----------------------------------------------------------------------------
     def _rows(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -252,7 +289,7 @@ class MegatronTrainEngine:
             out = model(tokens[None].to(_device()), pos[None].to(_device()), None, packed_seq_params=psp)
             if routed:
                 self.routing.after_forward(model)
-            return out, lambda logits, non_loss_data=False, mb=local: loss_fn(logits[0], mb)
+            return out, lambda out, non_loss_data=False, mb=local: self._loss(out, mb, loss_fn)
 
         max_t = max(mb.packed.tokens.numel() for mb in mbs) // self.cp
         models = models or (self.models if forward_only else self.ddp)
@@ -388,6 +425,8 @@ class MegatronTrainEngine:
         stats = {k: v / tokens for k, v in sums.items() if k not in _UNSCALED}
         stats.update(tokens=sums.get("n_tokens", 0.0), grad_norm=max(grad_norms), lr=self.optimizer.param_groups[0]["lr"])
         stats.update(self._mismatch_stats(sums))
+        if self.mtp_trains:  # the MTP layers' own cross-entropy, apart from the policy loss and its statistics
+            stats.update(mtp_loss=sums["mtp_loss"] / max(sums["mtp_tokens"], 1.0), mtp_tokens=sums["mtp_tokens"])
         stats.update({f"behav_w_p{round(q * 100):02d}": w for q, w in quantiles.items()})  # pi_prox / pi_behav
         return stats
 

@@ -75,14 +75,19 @@ def _build(bridge: Any) -> list[torch.nn.Module]:
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
 
+    from mega_async.trainer import mtp
+
     hf = bridge.hf_config
     vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
     models = []
     for stage in range(vpp):
         vp = stage if vpp > 1 else None
-        m = GPTModel(
+        spec = _layer_spec(bridge, vp)
+        mtp_spec = mtp.mtp_block_spec(bridge, spec, vp)  # MTP layers (num_nextn_predict_layers) on the last stage
+        m = (mtp.model_class() if bridge.mtp_layers else GPTModel)(
             config=bridge.config,
-            transformer_layer_spec=_layer_spec(bridge, vp),
+            transformer_layer_spec=spec,
+            mtp_block_spec=mtp_spec,
             vocab_size=hf.vocab_size,
             max_sequence_length=hf.max_position_embeddings,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),

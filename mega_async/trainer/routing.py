@@ -46,7 +46,9 @@ class RouteReplay:
         self._action = RouterReplayAction.REPLAY_FORWARD
         self._chunks: dict[int, list[Any]] = {}
         for m in models:
-            routers = _routers(m)
+            # an MTP layer's router (layer_number past num_layers) routes on its own: the rollout's routes cover the
+            # main model's layers only (SGLang's draft does not return its routes)
+            routers = [r for r in _routers(m) if r.layer_number <= num_layers]
             for r in routers:
                 if r.router_replay is None:
                     # what moe_enable_routing_replay=True does in TopKRouter.__init__, kept off Megatron's global list

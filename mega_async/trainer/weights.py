@@ -172,14 +172,17 @@ class Resharder:
             return torch.cat(parts, dim=1)
         return torch.cat(parts, dim=0 if "linear_qkv" in name or pdim < 0 else pdim)
 
-    def _hf(self, name: str, full: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    def _hf(self, name: str, full: torch.Tensor, chunk: int) -> Iterator[tuple[str, torch.Tensor]]:
         tied = self.bridge.tied()
-        for hf_name, tensor in zip(*self.bridge.mb._weight_to_hf_format(name, full)):
+        for hf_name, tensor in zip(*self.bridge.to_hf(name, full)):
             if hf_name == "lm_head.weight" and tied:
                 continue  # the output layer duplicates the embedding
             if hf_name in ("lm_head.weight", "model.embed_tokens.weight") and tensor.shape[0] > self.vocab_size:
                 tensor = tensor[: self.vocab_size]  # vocab padding is Megatron's, not the model's
-            yield hf_name, tensor.contiguous()
+            tensor = tensor.contiguous()
+            # the MTP layers' copies of the embedding and head (own storage: safetensors refuses shared tensors)
+            for i, out in enumerate(self.bridge.export_names(hf_name, self.models[chunk])):
+                yield out, tensor if i == 0 else tensor.clone()
 
     def _grouped(self, everything: bool) -> Iterator[list[_Param]]:
         unit: list[_Param] = []
@@ -222,7 +225,8 @@ class Resharder:
                 named = self._full_experts(ps, ts)
             else:
                 named = (x for p, t in zip(ps, ts) for x in self._full(p, t))
-            unit = [hf for name, full in named for hf in self._hf(name, full)] if keep else [None for _ in named]
+            unit = [hf for name, full in named for hf in self._hf(name, full, ps[0].chunk)] if keep else \
+                [None for _ in named]
             if keep:
                 yield unit
 

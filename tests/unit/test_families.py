@@ -30,8 +30,8 @@ def test_the_tiny_cards_pass_and_pick_their_family():
 
 
 @pytest.mark.parametrize("base, changes, words", [
-    (TINY_DEEPSEEK, {"num_nextn_predict_layers": 1}, ["num_nextn_predict_layers=1", "set num_nextn_predict_layers to 0"]),
-    (TINY_GLM, {"num_nextn_predict_layers": 1}, ["num_nextn_predict_layers=1", "multi-token-prediction"]),
+    (TINY_GLM, {"tie_word_embeddings": True}, ["num_nextn_predict_layers=1 with tie_word_embeddings=true",
+                                                "set num_nextn_predict_layers to 0"]),
     (TINY_DEEPSEEK, {"norm_topk_prob": False}, ["norm_topk_prob=false"]),
     (TINY_DEEPSEEK, {"num_experts_per_tok": 6}, ["num_experts_per_tok=6, topk_group=2", "2 x topk_group"]),
     (TINY_DEEPSEEK, {"n_group": 3}, ["n_group=3 does not divide n_routed_experts=16"]),
@@ -47,23 +47,33 @@ def test_refusals_name_the_field_and_the_fix(tmp_path, base, changes, words):
     assert all(w in msg for w in words), msg
 
 
-def test_transformers_default_mtp_layer_is_refused_when_the_config_omits_the_field(tmp_path):
-    """Glm4MoeConfig and DeepseekV3Config default to one MTP layer: a config without the field asks for it."""
+def test_transformers_default_mtp_layer_is_built_when_the_config_omits_the_field(tmp_path):
+    """Glm4MoeConfig and DeepseekV3Config default to one MTP layer: a config without the field asks for it, and
+    Megatron builds it (mega_async.trainer.mtp)."""
     d = card(tmp_path, TINY_GLM)
     cfg = json.loads((d / "config.json").read_text())
     del cfg["num_nextn_predict_layers"]
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedModelError, match="num_nextn_predict_layers=1"):
-        check_model(AutoConfig.from_pretrained(d))
+    hf = AutoConfig.from_pretrained(d)
+    check_model(hf)
+    assert family_for(hf).overrides(family_for(hf).prepare(hf), use_te=False)["mtp_num_layers"] == 1
 
 
-def test_run_config_load_refuses_an_mtp_card(tmp_path):
+@pytest.mark.parametrize("layers, want", [(1, 1), (0, None)])
+def test_run_config_load_takes_a_card_with_or_without_mtp_layers(tmp_path, layers, want):
     from mega_async.run.loop import check_inputs
 
-    d = card(tmp_path, TINY_DEEPSEEK, num_nextn_predict_layers=1)
-    cfg = load_config(None, [f"model.path={d}", f"logging.root_dir={tmp_path}"])
-    with pytest.raises(ConfigError, match=r"model.path=.*num_nextn_predict_layers=1.*set num_nextn_predict_layers to 0"):
-        check_inputs(cfg)
+    d = card(tmp_path, TINY_DEEPSEEK, num_nextn_predict_layers=layers)
+    check_inputs(load_config(None, [f"model.path={d}", f"logging.root_dir={tmp_path}"]))
+    hf = AutoConfig.from_pretrained(d)
+    assert family_for(hf).overrides(hf, use_te=False)["mtp_num_layers"] == want
+
+
+def test_mtp_keys_are_validated(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.mtp='skip'"):
+        load_config(None, ["trainer.mtp=skip", f"logging.root_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"trainer.mtp_loss_scaling_factor=-0.1 must be >= 0"):
+        load_config(None, ["trainer.mtp_loss_scaling_factor=-0.1", f"logging.root_dir={tmp_path}"])
 
 
 def test_overrides_and_moved_fields():
@@ -72,7 +82,7 @@ def test_overrides_and_moved_fields():
     fam.prepare(ds)
     o = fam.overrides(ds, use_te=True)
     assert (o["moe_router_num_groups"], o["moe_router_group_topk"]) == (4, 2)  # mbridge leaves groups off
-    assert o["moe_router_topk_scaling_factor"] == 2.5 and o["mtp_num_layers"] is None
+    assert o["moe_router_topk_scaling_factor"] == 2.5 and o["mtp_num_layers"] == 1  # the card's MTP layer
     assert o["moe_router_bias_update_rate"] == 0.0  # the correction bias stays the checkpoint's
     assert (o["rope_type"], o["mscale"], o["mscale_all_dim"], o["rotary_scaling_factor"]) == ("rope", 1.0, 1.0, 1.0)
     assert ds.rope_theta == 10000.0
