@@ -4,7 +4,7 @@ during it, what the proxy did, and then whether the next (clean) sync brought ev
 version. Run by tests/integration/test_sync_tamper.py.
 
     python sync_tamper_worker.py --model DIR --root DIR --servers 2 --sync distributed --method checksum \
-        --cases ack,drop_expert --port 39100 --out result.json --logs DIR
+        --cases ack,drop_expert --port 0 --out result.json --logs DIR
 """
 import argparse
 import asyncio
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--sync", choices=["distributed", "disk"], required=True)
     ap.add_argument("--method", choices=["probe", "checksum"], required=True)
     ap.add_argument("--cases", required=True)
-    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--port", type=int, default=0, help="the first proxy's port (the next ones follow); 0: free ports")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", required=True)
     args = ap.parse_args()
@@ -94,7 +94,7 @@ def main() -> None:
         version = WeightVersion()
         eng = MegatronTrainEngine(args.model, "megatron:d1", EngineConfig.of(), version=version)
         servers = [a for f in starting for a in f.result()]
-        proxies = [TamperProxy(a, args.port + i).start() for i, a in enumerate(servers)]
+        proxies = [TamperProxy(a, args.port + i if args.port else 0).start() for i, a in enumerate(servers)]
         client = SGLangClient([p.address for p in proxies], version=version, health_check_interval=0.2,
                               request_timeout=120)
         result["addresses"] = client.addresses

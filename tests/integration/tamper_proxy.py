@@ -73,7 +73,10 @@ class TamperProxy:
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.host, self.port).start()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        if not self.port:  # port 0: the one the system gave
+            self.port = site._server.sockets[0].getsockname()[1]
 
     def set(self, fault: Optional[str], bucket: int = 0, old_dir: Optional[str] = None) -> None:
         if fault is not None and fault not in FAULTS:

@@ -107,6 +107,20 @@ def test_tiny_run_with_distributed_sync_and_per_step_verification(real_server, t
     assert_serves(real_server, run, steps)
 
 
+def test_checksum_verification_against_the_trainers_digest(real_server, tmp_path):
+    """verify_sync_method=checksum on the real engine: after every broadcast the server's /weights_checker checksums,
+    over SGLang's own parameters (qkv_proj, gate_up_proj, the fused experts w13_weight/w2_weight), must equal the
+    digest the trainer rebuilds from the tensors it sent (issue 37), not only the server's previous answer."""
+    at_card_weights(real_server)
+    steps = 3
+    run = train(tmp_path, f"inference.addresses=[{real_server}]", f"trainer.total_steps={steps}",
+                "trainer.verify_sync=true", "trainer.verify_sync_method=checksum")
+    log = (run / "train.log").read_text()
+    assert "not compared with the trainer's digest" not in log, log[-3000:]
+    assert len([m for m in metrics(run) if "step" in m]) == steps
+    assert_serves(real_server, run, steps)
+
+
 def test_disk_sync(real_server, tmp_path):
     """trainer.weight_sync=disk: the real server loads each version's HF directory (/update_weights_from_disk)."""
     at_card_weights(real_server)
@@ -117,15 +131,16 @@ def test_disk_sync(real_server, tmp_path):
 
 
 def test_a_killed_real_server_is_restarted_resynced_and_the_run_finishes(tmp_path):
-    """kill -9 of the real server the run launched, mid-run: the run starts it again at its address, waits for it
-    (its only server), brings it to the current weights (disk sync: it loads the current version's directory) and
-    finishes every step; verify_sync (probe) checks its logprobs after every later sync."""
+    """kill -9 of the real server the run launched, mid-run, with the distributed sync: the run starts it again at its
+    address, waits for it (its only server), the trainer broadcasts the current version into it (the sync's catch-up,
+    while rank 0 waits for the step's groups) before it is re-admitted, and the run finishes every step with verify_sync
+    (probe) passing after every later sync; the ledger is exact (B groups a step, each episode once, none failed)."""
     import psutil
 
     steps = 6
     cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(CONFIG), f"logging.root_dir={tmp_path}",
-           "logging.tensorboard=false", f"trainer.total_steps={steps}", "trainer.weight_sync=disk",
-           "trainer.verify_sync=true", "trainer.verify_sync_method=probe"]
+           "logging.tensorboard=false", f"trainer.total_steps={steps}", "trainer.verify_sync=true",
+           "trainer.verify_sync_method=probe"]
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "tiny_cpu_sglang" / "run0"
@@ -148,7 +163,20 @@ def test_a_killed_real_server_is_restarted_resynced_and_the_run_finishes(tmp_pat
     assert len(rows) == steps and all(m["sync/verify_max_abs_diff"] < 1e-4 for m in rows)
     log = (run / "train.log").read_text()
     assert "exited with code -9; restarting it (1 of 3)" in log
-    loaded = re.search(r"server \S+ loaded version \d+ from ", log)  # re-synced: the current version's directory
-    admitted = re.search(r"server \S+ is healthy again( at the current weight version)?; re-admitted", log)
-    assert loaded and admitted and loaded.start() < admitted.start(), log[-3000:]
+    caught = re.search(r"server\(s\) \S+ now at weight version (\d+)", log)  # the trainer's catch-up
+    admitted = re.search(r"server \S+ is healthy again at the current weight version; re-admitted", log)
+    assert caught and admitted and caught.start() < admitted.start(), log[-3000:]
     assert f"weights version {steps} on the servers" in out + err
+    check_ledger(run, steps, 8)
+
+
+def check_ledger(run: Path, steps: int, groups: int) -> None:
+    """rollouts.jsonl: `groups` accepted a step, every episode once, none failed or rejected."""
+    import collections
+
+    lines = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    accepted = [x for x in lines if x["verdict"] == "accepted"]
+    assert collections.Counter(x["step"] for x in accepted) == {s: groups for s in range(steps)}
+    keys = [(x["epoch"], x["index"]) for x in lines]
+    assert len(keys) == len(set(keys)), "an episode has two ledger lines"
+    assert not [x for x in lines if x["verdict"] in ("failed", "rejected")]

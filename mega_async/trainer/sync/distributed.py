@@ -3,11 +3,13 @@ stage head streams its stage's resharded buckets; FP8 block quantization on the 
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import datetime
 import logging
 import socket
+import threading
 import time
 from typing import Any, Optional, Sequence
 from urllib.parse import urlparse
@@ -26,10 +28,12 @@ logger = logging.getLogger("mega_async.trainer.sync")
 
 
 DATA_PLANES = ("broadcast", "none")  # DistributedWeightSync(data_plane=...): none = the fleet benchmark's seam
-NO_DATA_PLANE = object()
+NO_DATA_PLANE = object()  # the weight-update "group" of data_plane="none": nothing is joined
 # a bucket that no server answered and whose broadcast has not completed after this many times the slowest bucket so
-# far (at least join_grace) is not being received: the servers of the group are named and taken out
-STUCK_FACTOR = 4.0  # the weight-update "group" of data_plane="none": nothing is joined
+# far, and at least STUCK_MIN_S (a loaded 2-core machine stalls a healthy server for seconds), is not being received:
+# the servers of the group are named and taken out
+STUCK_FACTOR = 4.0
+STUCK_MIN_S = 10.0
 
 
 def _fp8_bucket(bucket: Any, block: tuple[int, int], resharder: Any) -> Any:
@@ -58,7 +62,9 @@ class DistributedWeightSync(WeightSync):
     """Weights by torch.distributed broadcast: each pipeline stage head owns a weight-update group with
     every server rank (trainer = rank 0, server i at 1 + its GPUs before it), built as SGLang builds it;
     per bucket it POSTs /update_weights_from_distributed from the HTTP thread, broadcasts, and checks
-    every reply."""
+    every reply. A server back behind the synced version is brought up to date between steps (`catch_up`)."""
+
+    catches_up = True
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
@@ -87,6 +93,9 @@ class DistributedWeightSync(WeightSync):
         self._fleet_checked: set[str] = set()  # data_plane="none": servers checked to be simulated ones
         self._group_on_servers = False  # the servers were told of a group this side has left
         self._slowest_bucket: Optional[float] = None  # the longest a bucket took so far (broadcast and replies)
+        # rank 0: servers that came back behind, each with the future its recovery waits on (catch_up sets it)
+        self._due: dict[str, concurrent.futures.Future] = {}
+        self._due_lock = threading.Lock()
         if self.resharder.is_stage_head:
             try:
                 from mega_async.inference.client import SGLangClient
@@ -102,6 +111,8 @@ class DistributedWeightSync(WeightSync):
                         f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}" if r is not None else
                         f"{a} down (asked before its first update)" for a, r in zip(self.client.addresses, releases)))
                 self._master_address = master_address or _reachable_address(addresses)
+                if self.rollout is not None:  # a server back behind waits for the trainer's catch_up
+                    self.client.recover = self._await_catch_up
             except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
                 self._init_error = f"{type(e).__name__}: {e}"
         # pipeline stages stream one after another: concurrent groups through the same servers could
@@ -161,6 +172,10 @@ class DistributedWeightSync(WeightSync):
         if self.rollout is not None:
             logger.warning("weight-update groups built again over %d server(s) (members: %s)", len(want),
                            ", ".join(want))
+        self._rebuild(want)
+
+    def _rebuild(self, want: list[str]) -> None:
+        """Every rank: every stage head builds its weight-update group again over the servers `want`."""
         self._init_error = None
         if self.resharder.is_stage_head:
             try:
@@ -171,6 +186,104 @@ class DistributedWeightSync(WeightSync):
         errors = agree(self._init_error, self.group)
         if errors:
             raise SyncError("could not build the weight-update groups again: " + "; ".join(errors))
+
+    # ---- a server back behind: the trainer brings it to the current version ---------------------
+    async def _await_catch_up(self, address: str) -> None:
+        """The client's `recover` hook (rank 0): a server that came back behind the synced version (a restarted
+        process at its launch weights, or one down during a sync) waits here until every trainer rank broadcast
+        the current version into it (`catch_up`, while rank 0 waits for a step's groups) or a push included it.
+        Only the trainer holds the current weights (there is no directory to load), so nothing else can: with
+        one server and no hook the run waited for groups no server could generate."""
+        with self._due_lock:
+            fut = self._due.get(address)
+            if fut is None or fut.done():
+                fut = self._due[address] = concurrent.futures.Future()
+        await asyncio.wrap_future(fut)
+
+    def _settle_due(self, addresses: Optional[Sequence[str]] = None) -> None:
+        """Rank 0: the recoveries waiting on `addresses` (None: all) end; the client probes those servers again
+        (admitted at the current version, or behind again: then it asks again)."""
+        with self._due_lock:
+            for a in list(self._due) if addresses is None else [a for a in addresses if a in self._due]:
+                fut = self._due.pop(a)
+                if not fut.done():
+                    fut.set_result(None)
+
+    def catch_up_due(self) -> bool:
+        return bool(self._due)
+
+    def catch_up(self) -> None:
+        """Every rank, between two steps: the servers that came back behind get the current version's weights
+        over a weight-update group of their own (no pause: they generate nothing; the others go on), committed at
+        the current version, then verified as a push is (`trainer.verify_sync`). A failure is logged, not raised:
+        the server stays out and asks again when probed next. The next push builds the group over every server."""
+        due = None
+        if self.rollout is not None:
+            with self._due_lock:
+                wanted = list(self._due)
+            behind = {s.address for s in self.client.sync_targets() if s.behind}
+            due = [a for a in wanted if a in behind]
+            self._settle_due([a for a in wanted if a not in behind])  # admitted meanwhile, or down again
+        due = from_rank0(due, self.group)
+        if not due:
+            return
+        v, t0, last = self.version.value, time.perf_counter(), self.last
+        if self.rollout is not None:
+            logger.warning("bringing server(s) %s to weight version %d (back behind it)", ", ".join(due), v)
+            self._targets = list(due)
+        with self.events.span("sync", phase="catch_up", version=v):
+            errors = self._send_current(due, v)
+            if not errors and self._verify_fn is not None:
+                try:
+                    self._verify_caught_up()
+                except SyncError as e:
+                    errors = [str(e)]
+        self.last = last  # the step's own sync figures, not these
+        if self.rollout is not None:
+            self._settle_due(due)
+            if errors:
+                logger.warning("bringing server(s) %s to weight version %d failed (they stay out and ask again): %s",
+                               ", ".join(due), v, "; ".join(errors)[:600])
+            else:
+                logger.info("server(s) %s now at weight version %d (%.2fs)", ", ".join(due), v,
+                            time.perf_counter() - t0)
+
+    def _send_current(self, due: list[str], v: int) -> list[str]:
+        """Every rank: group over `due`, session, buckets, commit at version `v`, session closed. Agreed errors."""
+        try:
+            self._rebuild(due)
+            errors: list[str] = []
+        except SyncError as e:
+            errors = [str(e)]
+        for phase, fn in (("begin_weight_update", self._begin), ("update", self._update), ("commit", self._commit),
+                          ("end_weight_update", self._end)):
+            if errors:
+                break
+            errors = agree(self._guarded(fn, v, phase), self.group)
+        if errors:
+            self._abort()
+            self._end_quietly()
+            self._after_failure()
+        return errors
+
+    def _verify_caught_up(self) -> None:
+        """verify_sync on the caught-up servers: their weights equal the trainer's, though unchanged since the
+        last push (the checksum method's "changed with the sync" does not apply); the other servers' checksums
+        are kept for the next push."""
+        kept = dict(self._checksums)
+        self.expects_new_weights = False
+        try:
+            self.verify()
+        finally:
+            del self.expects_new_weights
+            self._checksums = {**kept, **self._checksums}
+
+    def push(self) -> dict[str, float]:
+        try:
+            return super().push()
+        finally:
+            if self.rollout is not None:  # the servers it included are at its version (or it failed: ask again)
+                self._settle_due()
 
     def _init_group(self, address: str, addresses: Optional[list[str]] = None) -> None:
         from mega_async.comm import free_port, init_custom_process_group
@@ -248,6 +361,9 @@ class DistributedWeightSync(WeightSync):
         for k, bucket in enumerate(self.resharder.buckets()):  # every rank of the stage drains it (collectives)
             if error is not None or self.pg is None:
                 continue  # keep draining so the stage's other ranks are not left in a gather
+            bucket = self._for_servers(bucket)
+            if not len(bucket):
+                continue
             try:
                 if pending is not None:
                     self._finish(pending, stats)
@@ -281,11 +397,34 @@ class DistributedWeightSync(WeightSync):
 
     def _begin(self, target: int) -> Optional[str]:
         """Rank 0 opens a weight-update session on every server whose release needs one (SGLang 0.5.21+:
-        distributed updates outside one are refused), before any stage streams its first bucket."""
+        distributed updates outside one are refused), before any stage streams its first bucket, and decides
+        whether the model's MTP layers go to these servers (every stage head hears it)."""
+        error, plan = None, (False, None)
         if self.rollout is not None and self.pg is not None:
-            self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + SLACK_S,
-                           "begin_weight_update")
-        return None
+            try:
+                self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + SLACK_S,
+                               "begin_weight_update")
+                if self.resharder.bridge.mtp_layers:
+                    plan = self.client.mtp_plan()
+            except Exception as e:  # noqa: BLE001 - every rank hears rank 0's plan below first
+                error = f"begin_weight_update: {type(e).__name__}: {e}"
+        send, why = from_rank0(plan, self.group)
+        self._send_mtp = bool(send)
+        return error or why
+
+    def _for_servers(self, bucket: Any) -> Any:
+        """The bucket without the MTP layers' tensors when the servers keep no draft (they get the target only)."""
+        if getattr(self, "_send_mtp", False) or not self.resharder.bridge.mtp_layers:
+            return bucket
+        from mega_async.bridge.mtp import is_mtp_hf_name
+        from mega_async.trainer.weights import Bucket
+
+        layers = self.resharder.bridge.num_layers
+        out = Bucket()
+        for name, t in zip(bucket.names, bucket.tensors):
+            if not is_mtp_hf_name(name, layers):
+                out.add(name, t)
+        return out
 
     def _end(self, target: int) -> Optional[str]:
         if self.rollout is not None and self.client is not None:
@@ -341,7 +480,7 @@ class DistributedWeightSync(WeightSync):
         works, fut, payload, bucket, started = pending[:5]  # the payload must live until the broadcast is done
         t0 = time.perf_counter()
         answered_at = None
-        stuck_after = None if self._slowest_bucket is None else join_grace(STUCK_FACTOR * self._slowest_bucket)
+        stuck_after = None if self._slowest_bucket is None else max(STUCK_MIN_S, STUCK_FACTOR * self._slowest_bucket)
         nap = 2e-4
         while not all(w.is_completed() for w in works):
             if fut.done() and not fut.cancelled() and fut.exception() is not None:
@@ -449,5 +588,7 @@ class DistributedWeightSync(WeightSync):
             self._group_on_servers = False
 
     def close(self) -> None:
+        if self.rollout is not None:
+            self._settle_due()
         self._destroy_group()
         super().close()
