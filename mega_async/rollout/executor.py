@@ -52,6 +52,10 @@ class RolloutError(RuntimeError):
     """Rollout stopped: an error retrying cannot fix, or too many failed episodes in a row."""
 
 
+class WaitInterrupted(Exception):
+    """prepare_batch() or fill() returned early because its `interrupt()` said so; nothing was taken."""
+
+
 @dataclass
 class _Task:
     data: Any
@@ -345,11 +349,13 @@ class WorkflowExecutor:
                 f"max_staleness={self.max_staleness}): call set_version() after each training step"
             )
 
-    def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None) -> list[dict]:
+    def prepare_batch(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None,
+                      interrupt: Optional[Callable[[], bool]] = None) -> list[dict]:
         """Keep up to (eta+1)*B items submitted ahead and return B accepted groups, oldest first.
 
         A re-iterable dataloader is restarted when exhausted (a new epoch); a one-shot iterator that
-        runs dry with too few results raises instead of hanging.
+        runs dry with too few results raises instead of hanging. `interrupt()` true while it waits (checked every
+        poll interval): `WaitInterrupted`, nothing taken (the trainer has to bring a server up to date first).
         """
         B = self.consumer_batch_size
         while True:
@@ -364,13 +370,16 @@ class WorkflowExecutor:
                         f"dataloader exhausted: {len(self._done)} accepted results, a batch needs {B}"
                     )
                 self._raise_if_stuck(B)
+                if interrupt is not None and interrupt():
+                    raise WaitInterrupted()
                 self._want, self._want_refill = B, True
                 try:
                     self._cond.wait(self._poll)
                 finally:
                     self._want, self._want_refill = 0, False
 
-    def fill(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None) -> None:
+    def fill(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None,
+             interrupt: Optional[Callable[[], bool]] = None) -> None:
         """Generate until this version's staleness budget is spent and nothing runs (a stale-batch FIFO's
         producer step, rollout.stale_batches): every accepted group it leaves has this version as its head, or an
         older one, and no episode overlaps the training step that follows. Returns at once when already full."""
@@ -387,6 +396,8 @@ class WorkflowExecutor:
                                        f"version {self.version}'s budget")
                 if self._runner.paused and idle:
                     raise RuntimeError("executor is paused with nothing running; call resume() before fill()")
+                if interrupt is not None and interrupt():
+                    raise WaitInterrupted()
                 self._want, self._want_refill = max(1, len(self._done) + 1), True  # woken when everything ended
                 try:
                     self._cond.wait(self._poll)

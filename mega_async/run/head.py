@@ -6,19 +6,20 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from mega_async.config import RunConfig
 from mega_async.events import EventLog, NullEventLog
 from mega_async.inference.service import InferenceService
-from mega_async.rollout.executor import WorkflowExecutor
+from mega_async.rollout.executor import WaitInterrupted, WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
 from mega_async.run.evaluation import Evaluator
 from mega_async.run.metrics import Metrics, RewardTracker, prefixed
 from mega_async.run.tasks import reward_for, rollout_parts
 from mega_async.trainer.dispatch import StepBatch, timed_share
+from mega_async.trainer.sync.common import from_rank0
 from mega_async.types import VersionView
 
 logger = logging.getLogger("mega_async.run.loop")  # the step lines are the driver's (the console's progress bar)
@@ -51,12 +52,15 @@ class RolloutHead:
         self.evaluator = Evaluator.from_config(cfg, self.service, reward_for(cfg))
         self._t0 = time.monotonic()
 
-    def groups(self) -> list[dict]:
-        """The next consumer batch of groups (waits for the executor)."""
+    def groups(self, interrupt: Optional[Callable[[], bool]] = None) -> Optional[list[dict]]:
+        """The next consumer batch of groups (waits for the executor); None when `interrupt()` came true first."""
         self._t0 = time.monotonic()
-        if self.cfg.rollout.stale_batches:  # the FIFO control: this version's groups first, the oldest out
-            self.ex.fill(self.loader)
-        return self.ex.prepare_batch(self.loader)
+        try:
+            if self.cfg.rollout.stale_batches:  # the FIFO control: this version's groups first, the oldest out
+                self.ex.fill(self.loader, interrupt=interrupt)
+            return self.ex.prepare_batch(self.loader, interrupt=interrupt)
+        except WaitInterrupted:
+            return None
 
     def record(self, step: int, batch: StepBatch, train: dict[str, Any], sync: dict[str, Any]) -> dict[str, Any]:
         """The step's line in metrics.jsonl (and TensorBoard), the evaluation when due, the console line."""
@@ -103,11 +107,24 @@ class RolloutHead:
                     state["loader"]["position"])
 
 
-def next_batch(head: Optional[RolloutHead], algorithm: Any, group: Any = None) -> StepBatch:
+def next_batch(head: Optional[RolloutHead], algorithm: Any, group: Any = None, sync: Any = None) -> StepBatch:
     """Every rank: rank 0's head rolls the step's groups out, the trainer's dispatch gives each rank its share."""
     t0 = time.monotonic()
-    groups = head.groups() if head is not None else None
+    groups = await_groups(head, sync, group)
     return timed_share(groups, algorithm, group, rollout_wait_s=time.monotonic() - t0)
+
+
+def await_groups(head: Any, sync: Any = None, group: Any = None) -> Optional[list[dict]]:
+    """Every rank: rank 0's head waits for the step's groups (the other ranks get None). A server that came back
+    behind the synced version (restarted, or down during a sync) while it waits, where only the trainer can bring
+    it up to date (the distributed sync: `sync.catches_up`), is caught up by every rank first (`sync.catch_up()`,
+    the current version's weights), then the wait goes on: with one server, no group could be generated before."""
+    catches_up = sync is not None and getattr(sync, "catches_up", False)
+    while True:
+        groups = head.groups(sync.catch_up_due if catches_up else None) if head is not None else None
+        if not catches_up or not from_rank0(groups is None, group):
+            return groups
+        sync.catch_up()
 
 
 def rollout_stats(step: int, batch: list[dict], ex: WorkflowExecutor, flt: Optional[DynamicFilter]) -> dict:

@@ -65,7 +65,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
         stack.callback(sync.close)
         checkpointer.resume(meta, sync, head)
         for step in range(checkpointer.start, cfg.trainer.total_steps):
-            batch = next_batch(head, cfg.algorithm, ctrl)
+            batch = next_batch(head, cfg.algorithm, ctrl, sync)
             with events.span("train_step", step=step):
                 train = batch.train_on(engine)
             with events.span("sync", phase="push", step=step):

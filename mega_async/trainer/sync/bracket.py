@@ -59,6 +59,7 @@ class WeightSync(Verification):
     """Common part of both modes: the version, the pause bracket, verification. Subclasses `_update`."""
 
     expects_new_weights = True  # every push sends weights that differ from the last (a training step ran)
+    catches_up = False  # the trainer brings a server that came back behind up to date (`catch_up`, between steps)
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
                  *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
@@ -271,6 +272,14 @@ class WeightSync(Verification):
         if not inspect.isawaitable(result):
             return result
         return self._loop.run(result, self.timeout + SLACK_S, what)
+
+    # ---- catching up a server that came back behind --------------------------------------------
+    def catch_up_due(self) -> bool:
+        """Rank 0: a server waits for the trainer to bring it to the current weights (`catch_up`)."""
+        return False
+
+    def catch_up(self) -> None:
+        """Every rank, between two steps: the current version's weights to the servers that came back behind."""
 
     # ---- hooks -------------------------------------------------------------------------------
     def _prepare(self, target: int) -> None:
