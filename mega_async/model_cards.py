@@ -77,7 +77,7 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         _random_router_bias(model)
-        _append_mtp_layers(cfg, model)  # transformers builds no MTP layers: saved beside the model's
+        append_mtp_layers(cfg, model)  # transformers builds no MTP layers: saved beside the model's
     dst.mkdir(parents=True, exist_ok=True)
     import shutil
     import tempfile
@@ -100,13 +100,14 @@ def init_random_weights(model_dir: str | os.PathLike, out_dir: str | os.PathLike
     return dst
 
 
-def _append_mtp_layers(cfg: Any, model: torch.nn.Module) -> None:
+def append_mtp_layers(cfg: Any, model: torch.nn.Module) -> list[str]:
     """A config with multi-token-prediction layers (num_nextn_predict_layers, DeepSeek-V3 and GLM-4.5) gets them
     as the published checkpoints hold them, model.layers.{num_hidden_layers + k}.*: a decoder block initialised by
     transformers (as layer num_hidden_layers + k), enorm / hnorm / shared_head.norm at one, eh_proj drawn like the
     other linears, and copies of the embedding and head (embed_tokens, shared_head.head). Appended to the model's
-    layers, so save_pretrained writes them under its checkpoint names (experts one by one); drawn from the seeded
-    generator after the model: deterministic."""
+    layers, so save_pretrained writes them under its checkpoint names (experts one by one) and the embedded server
+    keeps them by those names (transformers' forward runs the first num_hidden_layers only); drawn from the seeded
+    generator after the model: deterministic. Returns the added layers' name prefixes."""
     import torch
 
     k_layers = int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
@@ -130,7 +131,8 @@ def _append_mtp_layers(cfg: Any, model: torch.nn.Module) -> None:
                 w.fill_(1.0)
             layer.shared_head.head.weight.copy_(model.lm_head.weight)
             layer.embed_tokens.weight.copy_(model.model.embed_tokens.weight)
-        model.model.layers.append(layer)
+        model.model.layers.append(layer.to(next(model.parameters()).dtype))
+    return [f"model.layers.{n + k}." for k in range(k_layers)]
 
 
 def _random_router_bias(model: torch.nn.Module, std: float = 0.02) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import collections
+import dataclasses
 import contextlib
 import errno
 import heapq
@@ -44,8 +45,8 @@ except ImportError:  # pragma: no cover - optional
         return json.dumps(body, separators=(",", ":")).encode()
 
 from mega_async.events import NullEventLog
-from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, Release, session_refusal,
-                                                   untested_reason)
+from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, Release, mtp_plan, serves_draft,
+                                                   session_refusal, untested_reason)
 from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, Version, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
@@ -1185,7 +1186,7 @@ class SGLangClient:
         async def one(s: _Server) -> Optional[Release]:
             if s.release is None:
                 version: Any = None
-                embedded = False
+                embedded = draft = False
                 asked: list[str] = []  # each route's answer so far, for the error
                 for path in ("/server_info", "/get_server_info"):
                     try:
@@ -1197,6 +1198,7 @@ class SGLangClient:
                         raise ServerError(_failed(s, path, e)) from e
                     if status == 200 and isinstance(out, dict):
                         version, embedded = out.get("version"), out.get("embedded_server") is not None
+                        draft = serves_draft(out)  # a NextN/EAGLE draft of the model's MTP layers
                         break
                     if status >= 500:
                         self._mark_unhealthy(s, f"{path} answered {status}")
@@ -1209,13 +1211,18 @@ class SGLangClient:
                     if status != 404:
                         raise ServerError(f"{s.address}: cannot learn its SGLang release: {'; '.join(asked)} (a "
                                           "router in front of the servers? give the trainer the servers themselves)")
-                s.release = Release.of(version, embedded)
+                s.release = Release.of(version, embedded, draft)
                 why = untested_reason(version)
                 if why and s.release.sessions is not None:
                     logger.warning("server %s: %s; speaking the protocol of its release line", s.address, why)
             return s.release
 
         return list(await asyncio.gather(*(one(s) for s in servers)))
+
+    def mtp_plan(self) -> tuple[bool, Optional[str]]:
+        """Whether this sync's servers take the model's MTP layers (`sglang_releases.mtp_plan`; releases learned)."""
+        targets = self._group if self._group is not None else self.sync_targets()
+        return mtp_plan([(s.address, s.release) for s in targets])
 
     async def begin_weight_update(self, selector: str = "all", timeout: Optional[float] = None) -> None:
         """Open a weight-update session on every server whose release needs one (POST /begin_weight_update).
@@ -1234,12 +1241,10 @@ class SGLangClient:
                 if status == 200 and not (isinstance(out, dict) and out.get("success") is False):
                     s.session_open = True
                     if s.release is None or s.release.sessions is None:
-                        s.release = Release(s.release.version if s.release else None, True,
-                                            bool(s.release and s.release.embedded))
+                        s.release = dataclasses.replace(s.release, sessions=True) if s.release else Release(None, True)
                     return
                 if status == 404 and not (s.release and s.release.sessions):  # a release before 0.5.21
-                    s.release = Release(s.release.version if s.release else None, False,
-                                        bool(s.release and s.release.embedded))
+                    s.release = dataclasses.replace(s.release, sessions=False) if s.release else Release(None, False)
                     return
                 msg = _error_message(out)
                 if attempt == 0 and status == 400 and BEGIN_TWICE.split(";")[0] in msg:

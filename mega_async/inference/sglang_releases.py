@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 OLDEST_TESTED = (0, 5, 18)
 NEWEST_TESTED = (0, 5, 23)
@@ -64,12 +64,19 @@ class Release:
     version: Optional[str]
     sessions: Optional[bool]  # needs begin/end_weight_update around distributed and tensor updates
     embedded: bool = False  # mega_async's embedded server mirroring this release (its logprobs are exact)
+    draft: bool = False  # serves a NextN/EAGLE speculative draft (the model's MTP layers): `serves_draft`
 
     @staticmethod
-    def of(version_string: Any, embedded: bool = False) -> "Release":
+    def of(version_string: Any, embedded: bool = False, draft: bool = False) -> "Release":
         v = parse_version(version_string)
         return Release(version_string if isinstance(version_string, str) else None,
-                       None if v is None else v >= SESSIONS_SINCE, embedded)
+                       None if v is None else v >= SESSIONS_SINCE, embedded, draft)
+
+    @property
+    def keeps_mtp(self) -> bool:
+        """Whether the weight sync sends it the model's MTP layers: SGLang serving them as its draft, or the embedded
+        server (which keeps every checkpoint weight by name; its speculative decoding is optional)."""
+        return self.embedded or self.draft
 
     @property
     def refuses_unaligned_buckets(self) -> bool:
@@ -82,6 +89,40 @@ class Release:
     def has_weight_version_endpoint(self) -> bool:
         """GET /get_weight_version (and /weight_version): removed in 0.5.21."""
         return self.sessions is False
+
+
+# SGLang's speculative algorithms whose draft is the model's own MTP layers (NEXTN is EAGLE over them; server_args
+# rewrites it to EAGLE, so /server_info says EAGLE). Their draft loads `model.layers.{num_hidden_layers}.*` from an
+# update and the target skips those names (deepseek_weight_loader's NextN config).
+DRAFT_ALGORITHMS = ("EAGLE", "NEXTN")
+
+
+def serves_draft(server_info: Any) -> bool:
+    """Whether a /server_info answer says the server runs a draft made of the model's MTP layers."""
+    return isinstance(server_info, dict) and str(server_info.get("speculative_algorithm") or "").upper() in \
+        DRAFT_ALGORITHMS
+
+
+def mtp_plan(servers: Sequence[tuple[str, Optional[Release]]]) -> tuple[bool, Optional[str]]:
+    """Whether a distributed sync sends the MTP layers to these (address, release) servers, or why it cannot.
+
+    Every server keeps them (`keeps_mtp`): sent, under selector "all" (0.5.21+ loads one received bucket into the
+    target and the draft). None does: not sent (they get the target model only). A mix cannot share one broadcast
+    stream. A draft on a release before 0.5.21 is refused: its update_weights_from_distributed loads the target
+    only, which would leave the draft one version behind the policy (its update_weights_from_disk loads both)."""
+    keep = [a for a, r in servers if r is not None and r.keeps_mtp]
+    stale = [f"{a} (SGLang {r.version or '?'})" for a, r in servers
+             if r is not None and r.draft and not r.embedded and r.sessions is False]
+    if stale:
+        return False, (f"server(s) {', '.join(stale)} serve an MTP draft that update_weights_from_distributed does not "
+                       f"update before SGLang {'.'.join(map(str, SESSIONS_SINCE))}: upgrade SGLang, or use "
+                       "trainer.weight_sync=disk (it reloads the draft too)")
+    if keep and len(keep) < len(servers):
+        rest = [a for a, _ in servers if a not in keep]
+        return False, (f"server(s) {', '.join(keep)} serve an MTP draft and {', '.join(rest)} do not: one weight "
+                       "broadcast cannot send the MTP layers to some only; start every server with or every one "
+                       "without --speculative-algorithm")
+    return bool(keep), None
 
 
 def session_refusal(op: str) -> str:

@@ -26,6 +26,10 @@ class MTPOutput:
     logits: torch.Tensor
     mtp_logits: list[torch.Tensor]
 
+    @property
+    def device(self) -> torch.device:  # Megatron's schedule reads the output's device (MoE aux-loss scale)
+        return self.logits.device
+
 
 def split_output(out: Any) -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
     """The model's output -> (main logits [b, s, v], MTP layers' logits or None)."""

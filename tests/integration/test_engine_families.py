@@ -8,11 +8,10 @@ import time
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from mega_async.inference.server.engine import GenerationEngine, GenRequest
 from mega_async.inference.server.routing import RouteRecorder
-from mega_async.inference.server.weights import load_named_tensors, read_safetensors_dir
+from mega_async.inference.server.weights import load_named_tensors, load_pretrained, read_safetensors_dir
 from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 
 from .conftest import ref_logprobs
@@ -24,7 +23,8 @@ def model_dir(request, tmp_path_factory):
 
 
 def load(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    """The server's model: transformers' plus the MTP layer the cards carry (kept by name, not run)."""
+    return load_pretrained(model_dir, torch.float32).eval()
 
 
 def group_limited_topk(x, weight, bias, cfg):
@@ -135,13 +135,14 @@ def test_route_layers_and_order_follow_sglang(model_dir):
 
 
 def test_checkpoint_names_load_exactly_what_from_pretrained_loads(model_dir, tmp_path):
-    """A weight update by HF checkpoint name (experts one by one, MLA projections, router bias, shared experts)
-    fills the fused in-memory model exactly as from_pretrained does."""
+    """A weight update by HF checkpoint name (experts one by one, MLA projections, router bias, shared experts, the
+    MTP layer) fills the fused in-memory model exactly as loading the checkpoint does."""
     other = init_random_weights(model_dir, tmp_path / "other", seed=7)
     m = load(model_dir)
     names = dict(read_safetensors_dir(other))
     assert any(k.endswith("e_score_correction_bias") for k in names)
     assert any(".shared_experts." in k for k in names) and any(".experts.0.gate_proj." in k for k in names)
+    assert "model.layers.4.eh_proj.weight" in names and "model.layers.4.mlp.experts.0.up_proj.weight" in names
     assert load_named_tensors(m, names.items(), strict=True) == len(names)
     for (k, a), (_, b) in zip(m.state_dict().items(), load(other).state_dict().items()):
         assert torch.equal(a, b), k

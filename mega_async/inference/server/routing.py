@@ -40,10 +40,12 @@ class RouteRecorder:
 
     def __init__(self, model: torch.nn.Module) -> None:
         found = find_routers(model)
+        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0) or (max(
+            (i for i, _ in found), default=-1) + 1)
+        found = [(i, r) for i, r in found if i < self.num_layers]  # an MTP layer's router (kept, not run) has no row
         self.layers = [i for i, _ in found]
         self.routers = [r for _, r in found]
         self.top_k = int(self.routers[0].top_k) if self.routers else 0
-        self.num_layers = int(getattr(model.config, "num_hidden_layers", 0) or 0) or (max(self.layers, default=-1) + 1)
         self.active = False
         self._ids: dict[int, torch.Tensor] = {}
         self._handles = [r.register_forward_hook(self._hook_for(i)) for i, r in found]

@@ -144,16 +144,28 @@ def load_pretrained(path: str | Path, dtype: torch.dtype, device: str = "cpu") -
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from mega_async.bridge import fp8
-    from mega_async.model_cards import check_fits_memory
+    from mega_async.model_cards import append_mtp_layers, check_fits_memory
 
     check_fits_memory(path, f"--model {path}", dtype_bytes=dtype.itemsize, what=f"in {str(dtype)[6:]}")
 
     block = fp8.dir_block(path)
     if block is None:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).to(device)  # no pickle
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)  # no pickle
+        prefixes = append_mtp_layers(model.config, model)
+        if prefixes:  # the MTP layers (a draft's weights) are kept by their checkpoint names, not run
+            tensors = SafetensorsDir(path, error=WeightLoadError)
+            have = set(tensors.names())
+            missing = [n for n, _ in checkpoint_names(model) if n.startswith(tuple(prefixes)) and n not in have]
+            if missing:
+                raise WeightLoadError(f"{path}: num_nextn_predict_layers asks for MTP layers but the checkpoint lacks "
+                                      f"{len(missing)} of their weights, e.g. {missing[0]!r} (set it to 0 in "
+                                      "config.json)")
+            load_named_tensors(model, ((n, tensors.get(n)) for n in sorted(have) if n.startswith(tuple(prefixes))))
+        return model.to(device)
     cfg = AutoConfig.from_pretrained(path)
     del cfg.quantization_config  # the weights are dequantized here: a plain model
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    append_mtp_layers(cfg, model)
     try:
         model.generation_config = GenerationConfig.from_pretrained(path)
     except OSError:
