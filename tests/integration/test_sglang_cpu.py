@@ -37,9 +37,10 @@ PROMPT = [(7 * i + 3) % 1000 + 1 for i in range(24)]
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    """One real CPU SGLang server for the module, started by the project's launcher."""
+    """One real CPU SGLang server for the module, started by the project's launcher, returning routed experts (R3)."""
     ensure_weights(CARD)
-    spec = ServerSpec("sglang", str(CARD), device="cpu", dtype="float32", num_threads=1)
+    spec = ServerSpec("sglang", str(CARD), device="cpu", dtype="float32", num_threads=1,
+                      extra_args=["--enable-return-routed-experts"])
     t0 = time.monotonic()
     with ServerLauncher(spec, log_dir=str(tmp_path_factory.mktemp("sglang_logs")), startup_timeout=300) as launcher:
         print(f"real SGLang server ready in {time.monotonic() - t0:.1f} s")
@@ -93,17 +94,31 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tiny_run_with_distributed_sync_and_per_step_verification(real_server, tmp_path):
-    """Every step's broadcast opens and closes a weight-update session on the real server, and after every step the
-    server's logprobs for a probe prompt must equal the trainer's (verify_sync, probe, 1e-4)."""
+def trainer_ranks(run: Path) -> set[int]:
+    """The ranks that trained a step (the run's timeline: every trainer rank appends its own)."""
+    events = [json.loads(x) for x in (run / "events.jsonl").read_text().splitlines()]
+    return {e["rank"] for e in events if e.get("kind") == "train_step_start"}
+
+
+def test_tiny_run_tp2_retract_r3_with_distributed_sync_and_per_step_verification(real_server, tmp_path):
+    """A TP2 trainer (two ranks), rollout.interrupt=retract and R3 (algorithm.routing_replay: the trainer replays the
+    engine's routed experts): every step's broadcast opens and closes a weight-update session on the real server,
+    after every step the server's logprobs for a probe prompt equal the trainer's (verify_sync, probe, 1e-4), the
+    trainer's routes equal the engine's on every token (0 mismatches, top-1 and set) and its logprobs the rollout's."""
     at_card_weights(real_server)
     steps = 4
     run = train(tmp_path, f"inference.addresses=[{real_server}]", f"trainer.total_steps={steps}",
-                "trainer.verify_sync=true", "trainer.verify_sync_method=probe")
+                "parallel.allocation=sglang:d1+megatron:t2", "rollout.interrupt=retract",
+                "algorithm.routing_replay=true", "trainer.verify_sync=true", "trainer.verify_sync_method=probe")
     rows = [m for m in metrics(run) if "step" in m]
     assert len(rows) == steps
     assert all(m["sync/verify_max_abs_diff"] < 1e-4 for m in rows), [m.get("sync/verify_max_abs_diff") for m in rows]
     assert "0.5.23 (sessions)" in (run / "train.log").read_text()
+    assert trainer_ranks(run) == {0, 1}
+    for m in rows:
+        assert m["train/mismatch/route_top1_frac"] == 0 and m["train/mismatch/route_set_frac"] == 0, m
+        assert m["train/mismatch/current_tokens"] > 0 and m["train/mismatch/logprob_abs_max"] < 1e-4, m
+    print("TP2 retract R3: logprob mismatch max", max(m["train/mismatch/logprob_abs_max"] for m in rows))
     assert_serves(real_server, run, steps)
 
 
@@ -118,15 +133,20 @@ def test_checksum_verification_against_the_trainers_digest(real_server, tmp_path
     log = (run / "train.log").read_text()
     assert "not compared with the trainer's digest" not in log, log[-3000:]
     assert len([m for m in metrics(run) if "step" in m]) == steps
+    assert trainer_ranks(run) == {0, 1}
     assert_serves(real_server, run, steps)
 
 
-def test_disk_sync(real_server, tmp_path):
-    """trainer.weight_sync=disk: the real server loads each version's HF directory (/update_weights_from_disk)."""
+def test_disk_sync_ep2_in_place(real_server, tmp_path):
+    """trainer.weight_sync=disk under an EP2 trainer (two ranks, the experts split) with rollout.interrupt=in_place
+    (requests keep their KV cache across the update; no cache flush): the real server loads each version's HF
+    directory (/update_weights_from_disk) and ends at final_hf's logprobs."""
     at_card_weights(real_server)
     steps = 3
     run = train(tmp_path, f"inference.addresses=[{real_server}]", f"trainer.total_steps={steps}",
-                "trainer.weight_sync=disk")
+                "trainer.weight_sync=disk", "parallel.allocation=sglang:d1+megatron:d2e2", "rollout.interrupt=in_place")
+    assert len([m for m in metrics(run) if "step" in m]) == steps
+    assert trainer_ranks(run) == {0, 1}
     assert_serves(real_server, run, steps)
 
 
