@@ -171,6 +171,7 @@ class Verification:
             with ExpertCoverage(self.models, self.num_experts) as seen:
                 mine = self._verify_fn(batch)  # collective on every rank
             seen = seen.reduced(self.group)
+            before = None if coverage is None else int(coverage.sum())
             coverage = seen if coverage is None else coverage | seen
             verdict: Any = None
             if rank() == 0:  # rank 0 decides for all (DP replicas may differ in the last bits on GPU)
@@ -180,15 +181,19 @@ class Verification:
                 raise SyncError(f"verify_sync: {verdict}")
             if coverage is None or bool(coverage.all()):
                 break
+            if before is not None and int(coverage.sum()) == before:
+                break  # a round twice as large found no new expert: the routers never pick the rest (a collapsed
+                # router), so more rounds only cost time; the rest is named below
         self.last["sync/verify_probe_rounds"] = float(round_ + 1)
         self.last["sync/verify_uncovered"] = 0.0
         if coverage is not None and not bool(coverage.all()):
             missed = [(layer, e) for layer, e in (~coverage).nonzero().tolist()]
             self.last["sync/verify_uncovered"] = float(len(missed))
-            if rank() == 0:
-                logger.warning("verify_sync: the probe never selected %d routed expert(s), whose weights it did not "
-                               "check: %s", len(missed), ", ".join(f"layer {layer} expert {e}"
-                                                                   for layer, e in missed[:12]))
+            if rank() == 0:  # a warning when the set changes, not every step of a run whose routers collapsed
+                say = logger.warning if missed != getattr(self, "_last_missed", None) else logger.debug
+                say("verify_sync: the probe never selected %d routed expert(s), whose weights it did not check: %s",
+                    len(missed), ", ".join(f"layer {layer} expert {e}" for layer, e in missed[:12]))
+            self._last_missed = missed
         return worst
 
     @property
