@@ -1,0 +1,173 @@
+"""The real SGLang CPU engine against the embedded server, same card, same workload, one run (ratios).
+
+For each engine in turn (one server at a time, started by the project's launcher, float32, one thread,
+`--enable-return-routed-experts`):
+  generation   `--requests` requests of `--new-tokens` tokens (EOS ignored, temperature 1), all sent at once through
+               the real client: output tokens per second (the median of `--rounds` rounds)
+  agreement    greedy sequences with their logprobs and routed experts, against transformers' forward of the card in
+               float32 (the trainer's reference numbers): mean and max |logprob difference|, and the fraction of
+               (token, layer) routes whose expert set equals transformers' router top-k
+  weight sync  `--pushes` pushes of the distributed sync (one Megatron rank, gloo, SGLang's weight-update sessions)
+               with the default abort pause, each with its parts: pause, buckets (gather, broadcast, server), commit
+               and continue, as DistributedWeightSync reports them and the pause bracket's events
+Writes JSON (`--out`) and prints a table. The real engine needs `$SGLANG_CPU_VENV` (tools/install_sglang_cpu.sh).
+
+    python tools/bench_engines.py --out benchmarks/engines_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CARD = ROOT / "models" / "tiny-qwen3-moe"
+
+
+class Timeline:
+    """The sync's events (EventLog's interface, kept in memory): pause and continue times per push."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str, dict]] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.events.append((time.perf_counter(), kind, fields))
+
+    def span(self, *a, **k):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def phase_s(self, phase: str) -> list[float]:
+        starts = [t for t, k, f in self.events if k == "sync_start" and f.get("phase") == phase]
+        ends = [t for t, k, f in self.events if k == "sync_end" and f.get("phase") == phase]
+        return [e - s for s, e in zip(starts, ends)]
+
+
+def generation(client, requests: int, new_tokens: int, rounds: int) -> dict:
+    from mega_async.types import ModelRequest
+
+    reqs = [ModelRequest(input_ids=[1 + (7 * i + j) % 900 for j in range(16)], max_new_tokens=new_tokens,
+                         temperature=1.0, ignore_eos=True) for i in range(requests)]
+
+    async def once() -> float:
+        t0 = time.perf_counter()
+        outs = await asyncio.gather(*(client.agenerate(r) for r in reqs))
+        return sum(len(o.output_tokens) for o in outs) / (time.perf_counter() - t0)
+
+    asyncio.run(once())  # warm-up
+    runs = [asyncio.run(once()) for _ in range(rounds)]
+    return {"tok_s": statistics.median(runs), "runs": runs}
+
+
+def agreement(client, hf, prompts: int, new_tokens: int) -> dict:
+    cfg = hf.config
+    diffs, same, total = [], 0, 0
+    for i in range(prompts):
+        prompt = [1 + (11 * i + 3 * j) % 900 for j in range(12)]
+        out = asyncio.run(client.generate_on(0, {
+            "input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}))
+        ids = prompt + out["output_ids"]
+        with torch.no_grad():
+            res = hf(torch.tensor([ids]), output_router_logits=True)
+        ref = torch.log_softmax(res.logits[0].double(), -1)[len(prompt) - 1:-1]
+        ref = ref.gather(1, torch.tensor(out["output_ids"])[:, None]).squeeze(1)
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
+        diffs.append((got - ref).abs())
+        routes = torch.frombuffer(bytearray(base64.b64decode(out["meta_info"]["routed_experts"])), dtype=torch.int32)
+        routes = routes.view(len(ids) - 1, cfg.num_hidden_layers, cfg.num_experts_per_tok).sort(-1).values
+        for layer, lg in enumerate(res.router_logits):
+            want = lg.view(len(ids), -1)[:-1].topk(cfg.num_experts_per_tok, -1).indices.sort(-1).values
+            same += int((routes[:, layer] == want.to(torch.int32)).all(-1).sum())
+            total += len(ids) - 1
+    d = torch.cat(diffs)
+    return {"logprob_abs_mean": float(d.mean()), "logprob_abs_max": float(d.max()), "route_set_agreement": same / total,
+            "tokens": int(d.numel())}
+
+
+def weight_sync(addresses, pushes: int) -> dict:
+    from mega_async.inference.client import SGLangClient
+    from mega_async.trainer.model import build_model
+    from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
+    from mega_async.types import WeightVersion
+
+    models = build_model(str(CARD), "megatron:d1", load_weights=True)
+    version = WeightVersion()
+    client = SGLangClient(addresses, version=version, request_timeout=600)
+    events = Timeline()
+    sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, timeout=120, events=events)
+    rows = []
+    try:
+        for _ in range(pushes):
+            with torch.no_grad():
+                for p in models[0].parameters():
+                    p.add_(1e-3 * torch.randn_like(p))
+            rows.append(sync.push())
+    finally:
+        sync.close()
+    keys = ["sync/push_s", "sync/total_s", "sync/gather_s", "sync/broadcast_s", "sync/server_s", "sync/bucket_s"]
+    out = {k.split("/")[1]: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
+    out["pause_s"] = statistics.median(events.phase_s("pause"))
+    out["continue_s"] = statistics.median(events.phase_s("continue"))
+    out["buckets"] = rows[-1].get("sync/buckets")
+    return out
+
+
+def bench(engine: str, args, hf) -> dict:
+    from mega_async.inference.client import SGLangClient
+    from mega_async.inference.servers import ServerLauncher, ServerSpec
+    from mega_async.trainer.parallel import destroy_parallel_state
+
+    kw = {"device": "cpu"} if engine == "sglang" else {}
+    spec = ServerSpec(engine, str(CARD), dtype="float32", num_threads=args.threads,
+                      extra_args=["--enable-return-routed-experts"], **kw)
+    t0 = time.perf_counter()
+    with ServerLauncher(spec, log_dir=f"{args.logs}/{engine}", startup_timeout=600) as launcher:
+        ready = time.perf_counter() - t0
+        client = SGLangClient(launcher.addresses, request_timeout=600)
+        res = {"ready_s": ready, "generation": generation(client, args.requests, args.new_tokens, args.rounds),
+               "agreement": agreement(client, hf, args.prompts, args.new_tokens // 2),
+               "sync": weight_sync(launcher.addresses, args.pushes)}
+        destroy_parallel_state()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--pushes", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--engines", default="embedded,sglang")
+    ap.add_argument("--logs", default="/tmp/bench_engines_logs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM
+
+    from mega_async.model_cards import ensure_weights
+
+    ensure_weights(CARD)
+    hf = AutoModelForCausalLM.from_pretrained(CARD, dtype=torch.float32).eval()
+    results = {e: bench(e, args, hf) for e in args.engines.split(",")}
+    if {"embedded", "sglang"} <= set(results):
+        e, s = results["embedded"], results["sglang"]
+        results["ratios"] = {"tok_s_sglang_over_embedded": s["generation"]["tok_s"] / e["generation"]["tok_s"],
+                             "push_s_sglang_over_embedded": s["sync"]["push_s"] / e["sync"]["push_s"]}
+    results["workload"] = vars(args)
+    text = json.dumps(results, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
