@@ -2,7 +2,10 @@
 configs/tiny_glm_cpu.yaml) at EP2 (DP2) and TP2: the embedded server serves the family, the distributed weight sync
 (MLA low-rank projections or q/k/v bias, shared experts, router bias) is verified after every step, the run learns
 the synthetic task as the Qwen3-MoE main job does (tests/integration/test_train_loop.py's criterion), and its
-final_hf loads in transformers. Slow: 20 steps, two to three minutes a run on 2 cores."""
+final_hf loads in transformers. Both cards carry one MTP layer, as published: it trains with its own loss (logged
+apart), is synced into the server (which keeps it by name) and exported. A short one-rank DeepSeek-V3 run checks the
+server's weights, MTP layer included, against the trainer's digest after every step. Slow: 20 steps, two to three
+minutes a run on 2 cores (the one-rank run: 8 steps)."""
 import json
 import os
 import subprocess
@@ -29,18 +32,47 @@ ALL_RUNS = [("tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d2e2"),
 RUNS = ALL_RUNS if os.environ.get("MEGA_ASYNC_ALL_FAMILY_RUNS") == "1" else [ALL_RUNS[0], ALL_RUNS[3]]
 
 
-@pytest.mark.parametrize("config, card, allocation", RUNS,
-                         ids=[f"{c.split('_')[1]}-{a.split(':')[-1]}" for c, _, a in RUNS])
-def test_family_run_learns_with_verified_distributed_sync(tmp_path, config, card, allocation):
+def train(tmp_path, config, card, allocation, *overrides):
     model = init_random_weights(card, tmp_path / "model", seed=0)
     cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / f"{config}.yaml"),
            f"model.path={model}", f"logging.root_dir={tmp_path / 'runs'}", f"parallel.allocation={allocation}",
-           "logging.tensorboard=false", "trainer.sync_timeout=120"]
+           "logging.tensorboard=false", "trainer.sync_timeout=120", *overrides]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-6000:]
     run = tmp_path / "runs" / config / "run0"
-    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return model, run, [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def check_mtp(model, run, steps):
+    """The MTP layer trained with its own loss (every step, apart from the policy's) and went out in final_hf."""
+    assert all(s["train/mtp_tokens"] > 0 and 0 < s["train/mtp_loss"] < 10 for s in steps)
+    final = load_file(str(run / "final_hf" / "model.safetensors"))
+    src = load_file(str(model / "model.safetensors"))
+    assert "model.layers.4.eh_proj.weight" in final and not torch.equal(final["model.layers.4.eh_proj.weight"],
+                                                                        src["model.layers.4.eh_proj.weight"])
+    assert torch.equal(final["model.layers.4.embed_tokens.weight"], final["model.embed_tokens.weight"])
+    assert torch.equal(final["model.layers.4.shared_head.head.weight"], final["lm_head.weight"])
+
+
+def test_mtp_one_rank_run_syncs_the_draft_every_step(tmp_path):
+    """One rank, 6 steps: the server's every weight (the MTP layer's included, which the probe cannot see) equals
+    the trainer's digest after every sync."""
+    model, run, steps = train(tmp_path, "tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d1",
+                              "trainer.total_steps=6", "trainer.verify_sync_method=checksum")
+    assert [s["version"] for s in steps] == list(range(1, 7))
+    assert all(s["sync/verify_max_abs_diff"] == 0 for s in steps)
+    check_mtp(model, run, steps)
+
+
+@pytest.mark.parametrize("config, card, allocation", RUNS,
+                         ids=[f"{c.split('_')[1]}-{a.split(':')[-1]}" for c, _, a in RUNS])
+def test_family_run_learns_with_verified_distributed_sync(tmp_path, config, card, allocation):
+    model, run, steps = train(tmp_path, config, card, allocation)
     assert [s["version"] for s in steps] == list(range(1, 21))
+    check_mtp(model, run, steps)
+    mtp = [s["train/mtp_loss"] for s in steps]
+    print(f"{config} {allocation} mtp_loss per step:", [round(x, 3) for x in mtp])
+    assert sum(mtp[-5:]) / 5 < sum(mtp[:3]) / 3 - 0.2  # the policy's outputs turn predictable: so does the draft
     for s in steps:
         assert s["sync/verify_max_abs_diff"] < 1e-4  # the server serves the trainer's weights, every step
         assert s["sync/bytes"] > 0
