@@ -179,6 +179,10 @@ def test_model_and_server_info(server):
     assert status == 200
     assert info["model_path"] == str(CARD) and info["is_generation"] is True and info["model_type"] == "qwen3_moe"
     assert info["architectures"] == ["Qwen3MoeForCausalLM"] and isinstance(info["weight_version"], str)
+    assert {k: info[k] for k in ("reasoning_parser", "tool_call_parser", "disaggregation_mode",
+                                 "has_image_understanding", "has_audio_understanding")} == {
+        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+        "has_image_understanding": False, "has_audio_understanding": False}
     assert get(server, "/get_model_info")[1]["model_type"] == "qwen3_moe"
     status, sinfo = get(server, "/server_info")
     assert status == 200 and sinfo["version"] == "0.5.23" and isinstance(sinfo["internal_states"], list)

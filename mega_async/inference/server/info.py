@@ -41,6 +41,10 @@ class InfoEndpoints:
             "model_path": self.model_path(), "tokenizer_path": self.s.model_path, "is_generation": True,
             "served_model_name": self.s.served_model_name, "preferred_sampling_params": None,
             "weight_version": self.s.engine.weight_version, "load_format": "auto",
+            # SGLang 0.5.23's other fields, as its CPU engine answers them for this kind of server (its `embedding`
+            # block, for embedding models, is left out: this server serves none)
+            "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
         })
 
