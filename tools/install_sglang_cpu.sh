@@ -14,6 +14,7 @@ set -uo pipefail
 
 SGLANG_VERSION=0.5.23
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
+SMG_VERSION=1.13.0  # the router (sglang-router's successor): forwards SGLang's fields, fans RL control calls out
 # SGLang 0.5.23's requirements left out, each for a reason (names as PEP 503 normalises them)
 EXCLUDED=(
   sglang-kernel            # CUDA kernels: no CPU wheel on PyPI; mega_async/inference/sglang_cpu/pythonpath/sgl_kernel
@@ -68,6 +69,7 @@ from importlib.metadata import version
 import mega_async, os
 want_sglang, root, *pins = sys.argv[1:]
 assert version("sglang") == want_sglang
+assert version("smg") == "1.13.0"
 for pin in pins:
     name, v = pin.split("==")
     assert version(name).split("+")[0] == v, pin
@@ -119,6 +121,9 @@ say "${#REQ_LIST[@]} of SGLang's requirements; left out: $LEFT_OUT"
 echo "== requirements kept: ${REQ_LIST[*]}" >>"$LOG"
 # torch's pins repeated so the resolver can never move them
 run "install SGLang's requirements" "${PIP[@]}" install "${REQ_LIST[@]}" "${TORCH_PINS[@]}"
+
+say "smg==$SMG_VERSION (SGLang's router, for multi-server runs: docs/inference.md)"
+run "install smg" "${PIP[@]}" install "smg==$SMG_VERSION" "${TORCH_PINS[@]}"
 
 say "this project (editable, no dependencies): $ROOT"
 run "install mega_async" "${PIP[@]}" install --no-deps -e "$ROOT"
