@@ -66,16 +66,29 @@ check_dist_checkpoint = check_model_dir  # the model/ part of a checkpoint, befo
 
 
 # ---- model + optimizer ----------------------------------------------------------------------------------
+def _sharded(m: torch.nn.Module) -> dict:
+    """A chunk's sharded state dict. A pipeline stage holding MTP layers but not the embedding (the last, at PP > 1)
+    keeps a copy of the embedding, which Megatron ties to the first stage's over the DP x CP group it is told."""
+    inner = m
+    while hasattr(inner, "module"):
+        inner = inner.module
+    if getattr(inner, "mtp_process", False) and not getattr(inner, "pre_process", True):
+        from megatron.core import parallel_state as mpu
+
+        return m.sharded_state_dict(metadata={"dp_cp_group": mpu.get_data_parallel_group(with_context_parallel=True)})
+    return m.sharded_state_dict()
+
+
 def model_sharded_state_dict(models: Sequence[torch.nn.Module]) -> dict:
     """{"model": ...} (or "model<i>" per virtual pipeline chunk), the Megatron way."""
     if len(models) == 1:
-        return {"model": models[0].sharded_state_dict()}
+        return {"model": _sharded(models[0])}
     from megatron.core import parallel_state as mpu
 
     out = {}
     for i, m in enumerate(models):
         mpu.set_virtual_pipeline_model_parallel_rank(i)
-        out[f"model{i}"] = m.sharded_state_dict()
+        out[f"model{i}"] = _sharded(m)
     mpu.set_virtual_pipeline_model_parallel_rank(0)
     return out
 

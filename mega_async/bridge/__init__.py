@@ -118,7 +118,9 @@ class HFBridge:
         """The HF names a tensor of this model chunk is exported under (the embedding and head also as the MTP
         layers' copies where the chunk holds the MTP layers)."""
         m = _unwrap(model)
-        return mtp.export_names(hf_name, self.num_layers, self.mtp_layers, bool(getattr(m, "pre_process", True)),
+        # the main embedding lives on the first stage (the last one holds a copy for its MTP layers), the head on the last
+        main = getattr(m, "post_process" if hf_name == "lm_head.weight" else "pre_process", True)
+        return mtp.export_names(hf_name, self.num_layers, self.mtp_layers, bool(main),
                                 bool(getattr(m, "mtp_process", False)))
 
     def tied(self) -> bool:

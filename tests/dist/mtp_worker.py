@@ -2,7 +2,7 @@
 Megatron's MTP block in training mode through the pipeline schedule (forward only); rank 0 writes the main and MTP
 layer's logits (gathered over TP). engine: two PPO steps of the trainer engine (trainer.mtp train or freeze) on
 the synthetic RL batch; rank 0 writes the stats and the exported weights. gradnorm: one engine step's gradient
-norm (clipping off) on the synthetic batch, rank 0 writes it with the layout it ran at."""
+norm (never clipped) on the synthetic batch, rank 0 writes it with the layout it ran at."""
 import argparse
 import json
 import os
@@ -67,7 +67,7 @@ def engine(args: argparse.Namespace) -> None:
     from engine_worker import synthetic_batch
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 
-    clip = 0.0 if args.mode == "gradnorm" else 1.0
+    clip = 1e9 if args.mode == "gradnorm" else 1.0  # the norm, never clipped
     eng = MegatronTrainEngine(args.model, args.layout, EngineConfig.of(
         lr=args.lr, prox_logp="behavior", mtp=args.mtp, grad_clip=clip, mtp_loss_scaling_factor=args.mtp_scale))
     b = synthetic_batch()

@@ -98,7 +98,9 @@ def test_round_trip_is_bit_identical(conversions, name):
     (TINY_DEEPSEEK, "megatron:t2", 2, None, 1, 1),
     # exported from EP2; a config with num_nextn_predict_layers 0 beside the checkpoint's MTP layer drops it
     (TINY_GLM, "megatron:d1", 1, "megatron:d2e2", 2, 0),
-], ids=["deepseek-tp2-to-1", "glm-1-to-ep2"])
+    # the MTP layer on the last stage with its copy of the embedding (tied to stage 0's in the checkpoint)
+    (TINY_DEEPSEEK, "megatron:p2", 2, "megatron:p2", 2, 1),
+], ids=["deepseek-tp2-to-1", "glm-1-to-ep2", "deepseek-pp2-to-pp2"])
 def test_family_round_trip_is_bit_identical_and_loads_in_transformers(tmp_path, card, save_layout, save_np,
                                                                         load_layout, load_np, mtp):
     from transformers import AutoModelForCausalLM
