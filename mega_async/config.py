@@ -284,9 +284,21 @@ class TrainerConfig:
     eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
     # multi-token-prediction layers (num_nextn_predict_layers: DeepSeek-V3, GLM-4.5), which SGLang serves as its
     # NextN draft: train (jointly, their cross-entropy x mtp_loss_scaling_factor beside the policy loss, logged as
-    # mtp_loss) | freeze (never run, carried unchanged). Ignored by models without them.
+    # mtp_loss) | freeze (never run, carried unchanged). Set for a model without them: refused (`check_mtp`).
     mtp: str = "train"
     mtp_loss_scaling_factor: float = 0.1
+
+    def check_mtp(self, mtp_layers: int) -> None:
+        """A model without MTP layers and an MTP setting changed from its default: refused in one line (a setting
+        is never accepted and then ignored)."""
+        if mtp_layers:
+            return
+        default = TrainerConfig()
+        changed = [f"trainer.{k}={getattr(self, k)}" for k in ("mtp", "mtp_loss_scaling_factor")
+                   if getattr(self, k) != getattr(default, k)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)}: this model has no multi-token-prediction layers "
+                              "(num_nextn_predict_layers 0 or absent); leave the MTP settings out")
 
     def validate(self) -> None:
         _positive("trainer.eval_interval", self.eval_interval, allow_zero=True)

@@ -52,6 +52,7 @@ def check_inputs(cfg: RunConfig) -> None:
         check_model(hf)
     except UnsupportedModelError as e:
         raise ConfigError(f"model.path={cfg.model.path}: {e}") from None
+    cfg.trainer.check_mtp(int(getattr(hf, "num_nextn_predict_layers", 0) or 0))
     ctx = getattr(hf, "max_position_embeddings", None)
     budget = cfg.rollout.max_new_tokens + cfg.data.max_prompt_tokens
     if ctx is not None and budget > ctx:

@@ -162,6 +162,7 @@ class MegatronTrainEngine:
         from mega_async.trainer import mtp
         from mega_async.trainer.parallel import AllocationError
 
+        self.cfg.trainer.check_mtp(self.bridge.mtp_layers)
         if not self.bridge.mtp_layers:
             return False
         if self.cfg.trainer.mtp == "freeze":

@@ -51,3 +51,18 @@ def test_which_servers_get_the_mtp_layers():
     send, why = mtp_plan([("a", Release.of(old, draft=True))])
     assert not send and "a (SGLang 0.5.20)" in why and "trainer.weight_sync=disk" in why
     assert mtp_plan([("a", Release.of(old))]) == (False, None)
+
+
+def test_mtp_settings_for_a_model_without_mtp_layers_are_refused_not_ignored(tmp_path):
+    import pytest
+
+    from mega_async.config import ConfigError, TrainerConfig, load_config
+    from mega_async.run.tasks import check_inputs
+
+    TrainerConfig().check_mtp(0)  # the defaults say nothing
+    TrainerConfig(mtp="freeze").check_mtp(1)
+    with pytest.raises(ConfigError, match=r"^ConfigError: trainer.mtp=freeze: this model has no multi-token-prediction layers"):
+        TrainerConfig(mtp="freeze").check_mtp(0)
+    cfg = load_config("configs/tiny_cpu.yaml", ["trainer.mtp_loss_scaling_factor=0.5"])  # Qwen3-MoE: none
+    with pytest.raises(ConfigError, match="trainer.mtp_loss_scaling_factor=0.5: this model has no"):
+        check_inputs(cfg)
