@@ -9,7 +9,8 @@ For each engine in turn (one server at a time, started by the project's launcher
                (token, layer) routes whose expert set equals transformers' router top-k
   weight sync  `--pushes` pushes of the distributed sync (one Megatron rank, gloo, SGLang's weight-update sessions)
                with the default abort pause, each with its parts: pause, buckets (gather, broadcast, server), commit
-               and continue, as DistributedWeightSync reports them and the pause bracket's events
+               and continue, as DistributedWeightSync reports them and the pause bracket's events; with the server
+               idle, then with 8 requests decoding throughout (what a run's sync meets)
 Writes JSON (`--out`) and prints a table. The real engine needs `$SGLANG_CPU_VENV` (tools/install_sglang_cpu.sh).
 
     python tools/bench_engines.py --out benchmarks/engines_cpu.json
@@ -93,30 +94,54 @@ def agreement(client, hf, prompts: int, new_tokens: int) -> dict:
 
 
 def weight_sync(addresses, pushes: int) -> dict:
+    """`pushes` pushes with the server idle, then `pushes` with 8 requests decoding throughout (the abort pause answers
+    them with their partial output; the client resubmits them after the sync): the median of each part."""
+    import threading
+
     from mega_async.inference.client import SGLangClient
     from mega_async.trainer.model import build_model
     from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
-    from mega_async.types import WeightVersion
+    from mega_async.types import ModelRequest, WeightVersion
 
     models = build_model(str(CARD), "megatron:d1", load_weights=True)
     version = WeightVersion()
     client = SGLangClient(addresses, version=version, request_timeout=600)
-    events = Timeline()
-    sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, timeout=120, events=events)
-    rows = []
-    try:
-        for _ in range(pushes):
-            with torch.no_grad():
-                for p in models[0].parameters():
-                    p.add_(1e-3 * torch.randn_like(p))
-            rows.append(sync.push())
-    finally:
-        sync.close()
-    keys = ["sync/push_s", "sync/total_s", "sync/gather_s", "sync/broadcast_s", "sync/server_s", "sync/bucket_s"]
-    out = {k.split("/")[1]: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
-    out["pause_s"] = statistics.median(events.phase_s("pause"))
-    out["continue_s"] = statistics.median(events.phase_s("continue"))
-    out["buckets"] = rows[-1].get("sync/buckets")
+    out: dict = {}
+    for case in ("idle", "busy"):
+        events = Timeline()
+        sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, timeout=120, events=events)
+        stop = threading.Event()
+
+        async def decode() -> None:
+            async def one(i: int) -> None:
+                while not stop.is_set():
+                    await client.agenerate(ModelRequest(input_ids=[5 + i, 6, 7], max_new_tokens=256, ignore_eos=True))
+
+            await asyncio.gather(*(one(i) for i in range(8)))
+
+        load = threading.Thread(target=lambda: asyncio.run(decode())) if case == "busy" else None
+        rows = []
+        try:
+            if load is not None:
+                load.start()
+                time.sleep(3.0)  # decoding
+            for _ in range(pushes):
+                with torch.no_grad():
+                    for p in models[0].parameters():
+                        p.add_(1e-3 * torch.randn_like(p))
+                rows.append(sync.push())
+                time.sleep(0.5)
+        finally:
+            stop.set()
+            if load is not None:
+                load.join(600)
+            sync.close()
+        keys = ["sync/push_s", "sync/total_s", "sync/gather_s", "sync/broadcast_s", "sync/server_s", "sync/bucket_s"]
+        res = {k.split("/")[1]: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
+        res["pause_s"] = statistics.median(events.phase_s("pause"))
+        res["continue_s"] = statistics.median(events.phase_s("continue"))
+        res["buckets"] = rows[-1].get("sync/buckets")
+        out[case] = res
     return out
 
 
@@ -161,7 +186,8 @@ def main() -> None:
     if {"embedded", "sglang"} <= set(results):
         e, s = results["embedded"], results["sglang"]
         results["ratios"] = {"tok_s_sglang_over_embedded": s["generation"]["tok_s"] / e["generation"]["tok_s"],
-                             "push_s_sglang_over_embedded": s["sync"]["push_s"] / e["sync"]["push_s"]}
+                             **{f"push_s_{c}_sglang_over_embedded": s["sync"][c]["push_s"] / e["sync"][c]["push_s"]
+                                for c in ("idle", "busy")}}
     results["workload"] = vars(args)
     text = json.dumps(results, indent=1)
     print(text)
