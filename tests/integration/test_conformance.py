@@ -67,6 +67,9 @@ def test_generate_shape_and_greedy_tokens(server, hf):
     out = generate(server, **greedy(5))
     meta = out["meta_info"]
     assert len(out["output_ids"]) == 5 and isinstance(out["text"], str) and isinstance(meta["id"], str)
+    assert {k: meta[k] for k in ("num_retractions", "reasoning_tokens", "cached_tokens_details", "dp_rank")} == {
+        "num_retractions": 0, "reasoning_tokens": 0, "cached_tokens_details": None, "dp_rank": None}
+    assert isinstance(meta["response_sent_to_client_ts"], float)
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert meta["prompt_tokens"] == 8 and meta["completion_tokens"] == 5
     assert meta["weight_versions"] == [{"version": version(server), "start": 0, "end": 5}]
@@ -88,6 +91,7 @@ def test_logprob_formats_equal_transformers(server, hf):
     want = ref[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
     assert (got - want).abs().max() < 1e-4
     assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert meta["output_token_logprobs_length"] == 4
     assert all(len(top) == 2 for top in meta["output_top_logprobs"])
     text = generate(server, **greedy(3), return_logprob=True, return_text_in_logprobs=True)["meta_info"]
     assert all(isinstance(t, str) for _, _, t in text["output_token_logprobs"])
@@ -144,10 +148,13 @@ def test_pause_modes(server, mode):
     t.join(300)
     status, out = box["out"]
     assert status == 200
+    meta = out["meta_info"]
     if mode == "abort":
-        assert out["meta_info"]["finish_reason"]["type"] == "abort" and len(out["output_ids"]) < 600
+        assert meta["finish_reason"] == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+        assert len(out["output_ids"]) < 600
     else:
-        assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 600}
+        assert meta["finish_reason"] == {"type": "length", "length": 600}
+    assert (meta["num_retractions"] >= 1) == (mode == "retract")  # SGLang counts each retraction of a request
 
 
 def test_abort_request(server):

@@ -63,6 +63,7 @@ class GenRequest:
     input_token_ids_logprobs: list[Optional[list[tuple[float, int]]]] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)  # [tokens, layers, k] pieces
     cached_tokens: int = 0
+    num_retractions: int = 0  # SGLang's retraction_count: times a retract pause requeued it
     prefilled: bool = False
     finish_reason: Optional[dict] = None
     abort_requested: bool = False
@@ -202,6 +203,7 @@ class GenerationEngine:
                 back = self._running
                 for r in back:
                     self._release(r, None)  # as SGLang's retract: the KV is dropped, not cached
+                    r.num_retractions += 1
                 self._running, self._cache = [], None
                 self._mask = self._pos = self._last = None
                 with self._lock:

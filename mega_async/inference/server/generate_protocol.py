@@ -8,6 +8,7 @@ are `{"error": {"message": ...}}`. Both are 400, never a silent 200.
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -402,10 +403,16 @@ def meta_info(req: GenRequest, opts: Options, current_version: str, latency: flo
         "prompt_tokens": 0 if waiting_abort else len(req.input_ids),
         "completion_tokens": len(req.output_ids), "cached_tokens": req.cached_tokens,
         "weight_version": spans[-1]["version"], "weight_versions": spans, "e2e_latency": latency,
+        # SGLang 0.5.23's other keys, as its CPU engine answers them here (no reasoning parser, one DP rank)
+        "num_retractions": req.num_retractions, "reasoning_tokens": 0, "cached_tokens_details": None,
+        "dp_rank": None, "response_sent_to_client_ts": time.time(),
     }
+    if fr is not None and fr.get("type") == "abort" and "status_code" not in fr:  # an abort asked for (pause,
+        fr.update(status_code=None, err_type=None)  # /abort_request): SGLang's FINISH_ABORT.to_json, both null
     if opts.return_logprob:
         t = opts.return_text_in_logprobs
         meta["output_token_logprobs"] = _lp_entries(req.output_logprobs, req.output_ids, t, tokenizer)
+        meta["output_token_logprobs_length"] = len(meta["output_token_logprobs"])
         start = max(req.logprob_start_len, 0)
         meta["input_token_logprobs"] = _lp_entries(req.input_logprobs, req.input_ids[start:], t, tokenizer) \
             if req.logprob_start_len >= 0 else []
