@@ -133,7 +133,6 @@ def test_checksum_verification_against_the_trainers_digest(real_server, tmp_path
     log = (run / "train.log").read_text()
     assert "not compared with the trainer's digest" not in log, log[-3000:]
     assert len([m for m in metrics(run) if "step" in m]) == steps
-    assert trainer_ranks(run) == {0, 1}
     assert_serves(real_server, run, steps)
 
 
