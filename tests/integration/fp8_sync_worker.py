@@ -38,6 +38,9 @@ def hf_logprobs(card: Path, tensors: dict, rows: list[dict]) -> list[list[float]
     del cfg.quantization_config
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     from mega_async.inference.server.weights import load_named_tensors
+    from mega_async.model_cards import append_mtp_layers
+
+    append_mtp_layers(cfg, m)  # the card's MTP layer (as published) is held too; the forward does not run it
 
     load_named_tensors(m, tensors.items(), strict=True)
     out = []
