@@ -1,5 +1,6 @@
 """Shared fixtures: tiny model weights (two versions) and embedded servers started by the launcher."""
 import asyncio
+import os
 import json
 import urllib.request
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mega_async.inference import sglang_cpu
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import TINY_MOE, init_random_weights
 
@@ -73,3 +75,12 @@ def greedy_ok(model, prompt: list[int], output: list[int]) -> torch.Tensor:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+# the real SGLang CPU engine's tests: slow, marked sglang, skipped (saying how to build it) without its environment
+REAL_ENGINE = [
+    pytest.mark.slow, pytest.mark.sglang,
+    pytest.mark.skipif(not os.environ.get(sglang_cpu.VENV_ENV),
+                       reason=f"the real SGLang engine's environment is not built here: run "
+                              f"`bash tools/install_sglang_cpu.sh` and export {sglang_cpu.VENV_ENV}=<its directory>"),
+]

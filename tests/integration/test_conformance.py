@@ -5,7 +5,6 @@ asked, to transformers' forward of the card. The differences the two engines sho
 ("Conformance: what differs between the two engines"), each fixed or kept on purpose.
 """
 import base64
-import os
 import threading
 import time
 from pathlib import Path
@@ -13,19 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.inference import sglang_cpu
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import ensure_weights
-from .conftest import get, post
+from .conftest import REAL_ENGINE, get, post
 
 ROOT = Path(__file__).resolve().parents[2]
 CARD = ROOT / "models" / "tiny-qwen3-moe"
 P = [3, 14, 15, 92, 65, 35, 89, 79]
-REAL = pytest.param("sglang", marks=[
-    pytest.mark.slow, pytest.mark.sglang,
-    pytest.mark.skipif(not os.environ.get(sglang_cpu.VENV_ENV),
-                       reason=f"the real SGLang engine's environment is not built here: run "
-                              f"`bash tools/install_sglang_cpu.sh` and export {sglang_cpu.VENV_ENV}=<its directory>")])
+REAL = pytest.param("sglang", marks=REAL_ENGINE)
 
 
 # slow on both: the embedded server's own protocol tests run in the default suite already; this module's worth is the

@@ -19,14 +19,9 @@ from mega_async.comm import free_port
 from mega_async.inference import sglang_cpu
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import ensure_weights
-from .conftest import get, post
+from .conftest import REAL_ENGINE, get, post
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.sglang,
-    pytest.mark.skipif(not os.environ.get(sglang_cpu.VENV_ENV),
-                       reason=f"the real SGLang engine's environment is not built here: run "
-                              f"`bash tools/install_sglang_cpu.sh` and export {sglang_cpu.VENV_ENV}=<its directory>"),
-]
+pytestmark = REAL_ENGINE
 
 ROOT = Path(__file__).resolve().parents[2]
 CARD = ROOT / "models" / "tiny-qwen3-moe"

@@ -7,7 +7,6 @@ fixture; every run starts it at the card's weights, version 0, and reaches it th
 more for the kill test, which the run launches itself (only a server the run launched is restarted by it).
 """
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,17 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.inference import sglang_cpu
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import ensure_weights
-from .conftest import get, post
+from .conftest import REAL_ENGINE, get, post
 
-pytestmark = [
-    pytest.mark.slow, pytest.mark.sglang,
-    pytest.mark.skipif(not os.environ.get(sglang_cpu.VENV_ENV),
-                       reason=f"the real SGLang engine's environment is not built here: run "
-                              f"`bash tools/install_sglang_cpu.sh` and export {sglang_cpu.VENV_ENV}=<its directory>"),
-]
+pytestmark = REAL_ENGINE
 
 ROOT = Path(__file__).resolve().parents[2]
 CARD = ROOT / "models" / "tiny-qwen3-moe"
