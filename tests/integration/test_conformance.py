@@ -5,6 +5,8 @@ asked, to transformers' forward of the card. The differences the two engines sho
 ("Conformance: what differs between the two engines"), each fixed or kept on purpose.
 """
 import base64
+import http.client
+import json
 import threading
 import time
 from pathlib import Path
@@ -115,13 +117,38 @@ def test_unknown_sampling_key_is_refused(server):
 
 
 def long_request(server: str, box: dict, rid: str = None) -> threading.Thread:
-    """A 600-token greedy request on a thread (its answer in box["out"]), given 2 s to start decoding."""
-    body = {"input_ids": P, "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}
+    """A 600-token greedy request streamed on a thread; returns once its first tokens have arrived (an event, not a
+    sleep: a fast engine must not finish before the test pauses or aborts it). box["out"] is (status, the last event),
+    which SGLang makes the whole response so far."""
+    body = {"input_ids": P, "stream": True,
+            "sampling_params": {"max_new_tokens": 600, "temperature": 0, "ignore_eos": True}}
     if rid:
         body["rid"] = rid
-    t = threading.Thread(target=lambda: box.update(out=post(server, "/generate", body)))
+    started = threading.Event()
+
+    def consume():
+        host, port = server.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=300)
+        try:
+            conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            last = None
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                last = json.loads(line[5:])
+                if last.get("output_ids"):
+                    started.set()
+            box["out"] = (resp.status, last)
+        finally:
+            conn.close()
+            started.set()
+
+    t = threading.Thread(target=consume)
     t.start()
-    time.sleep(2.0)
+    assert started.wait(300), "the long request produced no token in 300 s"
+    assert t.is_alive(), f"the long request ended before it could be paused: {box.get('out')}"
     return t
 
 
