@@ -45,45 +45,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _partial_dir(out: Path) -> Path:
-    """`<out>.partial.<random>`, made by rank 0 and named to every rank: the conversion writes there and renames it
-    to `out` at the end, so two conversions to one output each finish whole (the last rename wins) and a killed
-    one leaves only its own partial folder."""
-    import tempfile
-
-    import torch.distributed as dist
-
-    name = [None]
-    if _rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        name = [tempfile.mkdtemp(prefix=out.name + ".partial.", dir=out.parent)]
-    if dist.is_initialized():
-        dist.broadcast_object_list(name, src=0)
-    return Path(name[0])
-
-
-def swap_in(tmp: Path, out: Path) -> None:
-    """Rename the finished folder `tmp` to `out`, replacing what is there (moved aside under a name of its own,
-    then removed): a second writer finishing at the same moment never fails on a non-empty `out`."""
-    import errno
-    import tempfile
-
-    while True:
-        try:
-            os.replace(tmp, out)
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        old = Path(tempfile.mkdtemp(prefix=out.name + ".old.", dir=out.parent))
-        try:
-            os.replace(out, old)  # onto the empty folder just made: always allowed
-        except FileNotFoundError:  # the other writer moved it first
-            old.rmdir()
-            continue
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def model_tensor_names(names: list[str], models: Any) -> list[str]:
     """The checkpoint's tensors the model has: DeepSeek-V3 and GLM-4.5 checkpoints append their MTP layers as
     model.layers.{num_hidden_layers + k}.* (loaded and exported for the config's num_nextn_predict_layers; a config
@@ -114,7 +75,9 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     t0 = time.monotonic()
     models = build_model(src, allocation)
     n = load_hf_weights(models, src, progress=True)
-    tmp = _partial_dir(out)  # this conversion's own: a second one writing the same output never shares it
+    from mega_async.trainer.weights import partial_dir, swap_in
+
+    tmp = partial_dir(out)  # this conversion's own: a second one writing the same output never shares it
     try:
         logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
         guard_checkpoint_writer()  # Megatron's writer process ends with this one, even under kill -9

@@ -281,11 +281,49 @@ def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, 
                 yield name, t.cpu()
 
 
+def partial_dir(out: Path) -> Path:
+    """`<out>.partial.<random>`, made by rank 0 and named to every rank: the conversion writes there and renames it
+    to `out` at the end, so two conversions to one output each finish whole (the last rename wins) and a killed
+    one leaves only its own partial folder."""
+    import tempfile
+
+    name = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        name = [tempfile.mkdtemp(prefix=out.name + ".partial.", dir=out.parent)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    return Path(name[0])
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Rename the finished folder `tmp` to `out`, replacing what is there (moved aside under a name of its own,
+    then removed): a second writer finishing at the same moment never fails on a non-empty `out`."""
+    import errno
+    import tempfile
+
+    while True:
+        try:
+            os.replace(tmp, out)
+            return
+        except OSError as e:
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                raise
+        old = Path(tempfile.mkdtemp(prefix=out.name + ".old.", dir=out.parent))
+        try:
+            os.replace(out, old)  # onto the empty folder just made: always allowed
+        except FileNotFoundError:  # the other writer moved it first
+            old.rmdir()
+            continue
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
                        max_shard_bytes: int = 2 << 30, progress: bool = False,
                        fp8_block: Any = None) -> dict[str, int]:
     """HF safetensors (+ index, config, tokenizer files from `src_dir`), written by each pipeline stage's
-    head for its own layers (a shared filesystem across nodes), into `<out>.partial`, renamed at the end.
+    head for its own layers (a shared filesystem across nodes), into a partial folder of its own
+    (`<out>.partial.<random>`), swapped in whole at the end: two exports to one output each finish whole.
     `fp8_block` (rows, cols): the linear weights go as an FP8 block checkpoint (`mega_async.bridge.fp8`)."""
     from safetensors.torch import save_file
 
@@ -294,48 +332,46 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
     rs = Resharder(models, bucket_bytes=max_shard_bytes)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
-    tmp = out.with_name(out.name + ".partial")
-    if rank0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if dist.is_initialized():
-        dist.barrier()
-    written: list[tuple[str, list[str], int]] = []
-    buckets: Any = rs.buckets()
-    if progress and rs.is_stage_head:
-        from tqdm import tqdm
+    tmp = partial_dir(out)
+    try:
+        written: list[tuple[str, list[str], int]] = []
+        buckets: Any = rs.buckets()
+        if progress and rs.is_stage_head:
+            from tqdm import tqdm
 
-        buckets = tqdm(buckets, desc=f"export HF shards (stage {rs.pp_rank})", unit="shard")
-    for i, b in enumerate(buckets):
-        fname = f"model-pp{rs.pp_rank:03d}-{i:05d}.safetensors"
-        named = dict(zip(b.names, b.tensors) if fp8_block is None else
-                     fp8.quantize_named(zip(b.names, b.tensors), fp8_block, fp8.skipped_modules(rs.bridge.hf_config)))
-        save_file(named, str(tmp / fname), metadata={"format": "pt"})
-        written.append((fname, list(named), sum(t.numel() * t.element_size() for t in named.values())))
-    every: list = [written]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, written)
-    files = [w for per_rank in every for w in per_rank]
-    total = sum(nb for _, _, nb in files)
-    count = sum(len(names) for _, names, _ in files)
-    if rank0:
-        if len(files) == 1:
-            os.replace(tmp / files[0][0], tmp / "model.safetensors")
-        else:
-            weight_map = {n: f for f, names, _ in files for n in names}
-            (tmp / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-        if src_dir is not None and Path(src_dir).is_dir():
-            copy_model_files(src_dir, tmp)
-        if not (tmp / "config.json").exists():
-            rs.bridge.hf_config.save_pretrained(str(tmp))
-        config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
-        if fp8.config_for(config, fp8_block) != config:
-            (tmp / "config.json").write_text(json.dumps(fp8.config_for(config, fp8_block), indent=2) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+            buckets = tqdm(buckets, desc=f"export HF shards (stage {rs.pp_rank})", unit="shard")
+        for i, b in enumerate(buckets):
+            fname = f"model-pp{rs.pp_rank:03d}-{i:05d}.safetensors"
+            named = dict(zip(b.names, b.tensors) if fp8_block is None else fp8.quantize_named(
+                zip(b.names, b.tensors), fp8_block, fp8.skipped_modules(rs.bridge.hf_config)))
+            save_file(named, str(tmp / fname), metadata={"format": "pt"})
+            written.append((fname, list(named), sum(t.numel() * t.element_size() for t in named.values())))
+        every: list = [written]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, written)
+        files = [w for per_rank in every for w in per_rank]
+        total = sum(nb for _, _, nb in files)
+        count = sum(len(names) for _, names, _ in files)
+        if rank0:
+            if len(files) == 1:
+                os.replace(tmp / files[0][0], tmp / "model.safetensors")
+            else:
+                weight_map = {n: f for f, names, _ in files for n in names}
+                (tmp / "model.safetensors.index.json").write_text(
+                    json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+            if src_dir is not None and Path(src_dir).is_dir():
+                copy_model_files(src_dir, tmp)
+            if not (tmp / "config.json").exists():
+                rs.bridge.hf_config.save_pretrained(str(tmp))
+            config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
+            if fp8.config_for(config, fp8_block) != config:
+                (tmp / "config.json").write_text(json.dumps(fp8.config_for(config, fp8_block), indent=2) + "\n")
+            swap_in(tmp, out)
+    except BaseException:
+        if rank0:  # a failed or interrupted export leaves nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if dist.is_initialized():
         dist.barrier()
     return {"tensors": count, "bytes": total}

@@ -1,11 +1,11 @@
-"""Conversions write through a partial folder of their own and swap it in whole (mega_async.convert): two
-conversions to one output never share a partial folder, and the one finishing second replaces the first's output
-instead of failing on a non-empty directory (before: both used `<out>.partial`, the second's rmtree removed the
-first's files mid-save)."""
+"""Conversions and exports write through a partial folder of their own and swap it in whole
+(mega_async.trainer.weights: partial_dir, swap_in): two writers to one output never share a partial folder, and the
+one finishing second replaces the first's output instead of failing on a non-empty directory (before: both used
+`<out>.partial`, the second's rmtree removed the first's files mid-save)."""
 import threading
 from pathlib import Path
 
-from mega_async.convert import _partial_dir, swap_in
+from mega_async.trainer.weights import partial_dir as _partial_dir, swap_in
 
 
 def test_each_conversion_gets_its_own_partial_folder(tmp_path):

@@ -134,5 +134,5 @@ class DiskWeightSync(WeightSync):
         for d in self.root.glob("v*"):
             if d.is_dir() and d.name[1:].isdigit() and int(d.name[1:]) <= v - self.keep:
                 shutil.rmtree(d, ignore_errors=True)
-        for d in self.root.glob("v*.partial"):
+        for d in self.root.glob("v*.partial*"):
             shutil.rmtree(d, ignore_errors=True)
