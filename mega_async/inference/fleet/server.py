@@ -458,8 +458,10 @@ class SimServer:
         self._step()
 
     def state(self) -> dict[str, Any]:
+        self._advance()  # the clock to now: running_tokens is what the running requests have made so far
         return {"index": self.index, "address": self.address, "version": self.version, "paused": self.paused,
-                "running": len(self.running), "waiting": len(self.waiting), "crashed": self.crashed,
+                "running": len(self.running), "running_tokens": sum(self.produced(r) for r in self.running.values()),
+                "waiting": len(self.waiting), "crashed": self.crashed,
                 "hung": self.hung, "slow": self.slow, "error_status": self.error_status, "restarts": self.restarts,
                 "groups": sorted(self.groups), "session": self.session, "counters": dict(self.counters)}
 
