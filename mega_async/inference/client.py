@@ -7,7 +7,10 @@ with backoff: the server is marked unhealthy, its requests rerouted, and it is r
 answers again and it serves the weights this client last synced (a restarted process has its launch weights,
 one that was down missed a sync: it stays out, `recover` brings it up to date, and the weight syncs include
 it). A server that answers 5xx more than `max_retries` times in a row is dropped for good (its
-/health may still answer). 401/403, a request over the context length, and no usable server within
+/health may still answer); a busy one (429, or 503: SGLang's full queue, a server's bound on bodies in memory) is
+not a failing one: the request waits its Retry-After (else a growing backoff), goes to the least loaded server
+again, and fails in one line only after `request_timeout` seconds of busy answers; one whose /model_info fails too
+is down as a whole and taken out until it answers (never dropped for good). 401/403, a request over the context length, and no usable server within
 `unhealthy_timeout` raise `FatalEngineError`: retrying cannot fix them.
 """
 from __future__ import annotations
@@ -17,6 +20,8 @@ import codecs
 import collections
 import dataclasses
 import contextlib
+import datetime
+import email.utils
 import errno
 import heapq
 import json
@@ -116,6 +121,29 @@ def classify_status(address: str, path: str, status: int, body: Any) -> ServerEr
     return ServerError(f"{address}{path} answered {status}: {msg}")
 
 
+BUSY = (429, 503)  # answers that say "busy, come back later" (SGLang's full queue is 503), not "failing"
+BUSY_WAIT_MAX_S = 30.0  # the longest one busy answer makes a request wait, whatever its Retry-After says
+
+
+def _retry_after(value: Optional[str]) -> Optional[float]:
+    """A Retry-After header's delay in seconds (RFC 9110: delay-seconds or an HTTP date), None when absent or
+    unreadable (a hostile or broken value never makes a request wait past BUSY_WAIT_MAX_S: the caller bounds it)."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(min(int(value[:20]), 10 ** 6))  # (20 digits: any longer is past the bound anyway)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if when is None:
+        return None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.timezone.utc)
+    return max(0.0, (when - datetime.datetime.now(datetime.timezone.utc)).total_seconds())
+
+
 @dataclass
 class _Server:
     address: str
@@ -138,6 +166,9 @@ class _Server:
     generating: set = field(default_factory=set)
     cut: set = field(default_factory=set)
     returning_until: float = 0.0  # restarted by the run: requests wait for it until then (monotonic)
+    busy: int = 0  # busy answers (429/503) to /generate in a row
+    retry_after: Optional[float] = None  # the Retry-After (seconds) of its last 429/503 answer, if it sent one
+    busy_warned: float = -1e9  # when its busy answers were last logged (monotonic)
 
 
 def merge_routed_experts(held: Any, encoded: Optional[str], total_rows: int, start: int) -> Any:
@@ -419,23 +450,25 @@ class SGLangClient:
             url = self._urls[(server.address, path)] = URL(server.address + path)
         try:
             try:
-                return await self._send(session, method, url, kw)
+                return await self._send(session, method, url, kw, server=server)
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
                 # the connection broke before any answer: most often a kept-alive one the server closed while idle
                 # (its keep-alive ran out while this loop was busy), which the request never reached; so it goes
                 # once more, as aiohttp does for idempotent methods. A dead server refuses the new connection.
                 if not resend or not _broken(e):
                     raise
-                return await self._send(session, method, url, kw)
+                return await self._send(session, method, url, kw, server=server)
         except asyncio.TimeoutError as e:  # aiohttp's says nothing of whom it waited for (often an empty message)
             if isinstance(e, ServerTimeout):
                 raise
             raise ServerTimeout(server.address, path, limit) from e
 
     @staticmethod
-    async def _send(session: aiohttp.ClientSession, method: str, url: URL, kw: dict,
-                    cap: int = MAX_RESPONSE_BYTES) -> tuple[int, Any]:
+    async def _send(session: aiohttp.ClientSession, method: str, url: URL, kw: dict, cap: int = MAX_RESPONSE_BYTES,
+                    server: Optional[_Server] = None) -> tuple[int, Any]:
         async with session.request(method, url, **kw) as r:
+            if server is not None and r.status in BUSY:
+                server.retry_after = _retry_after(r.headers.get("Retry-After"))
             if r.content_length is not None and r.content_length > cap:
                 raise ServerError(f"{url} answered {r.status} with a {r.content_length}-byte body, more than the "
                                   f"{cap}-byte bound on one answer")
@@ -760,6 +793,7 @@ class SGLangClient:
         attempt = 0
         first_rid = payload["rid"]
         resent = False
+        busy_since: Optional[float] = None  # the first of the busy answers this request is getting in a row
         gate = self._gate()
         while True:
             error: Optional[BaseException] = None
@@ -796,6 +830,31 @@ class SGLangClient:
                 self._sticky.pop(rid, None)
                 await asyncio.sleep(self.retry_backoff * min(attempt, 10))
                 continue
+            if status in BUSY:  # backpressure, not a failure: wait, then the least loaded server again
+                now = time.monotonic()
+                busy_since = now if busy_since is None else busy_since
+                attempt += 1
+                s.busy += 1
+                if s.busy > self.max_retries and await self._failing_throughout(s):  # down as a whole (restarting,
+                    self._mark_unhealthy(s, f"/generate answered {status} {s.busy} times in a row and /model_info "
+                                            "fails too")  # the fleet's `error`): out until /model_info answers
+                    s.busy = 0
+                    self._sticky.pop(rid, None)
+                    continue  # reroute at once
+                if now - busy_since > self.request_timeout:
+                    raise ServerError(f"{s.address}/generate answered {status} (busy: {_error_message(body)[:200]}) "
+                                      f"for {now - busy_since:.0f} s: raise the server's queue bound "
+                                      "(--max-queued-requests) or lower the rollout's concurrency")
+                delay = s.retry_after if s.retry_after is not None else self.retry_backoff * 2 ** min(attempt, 5)
+                delay = min(max(delay, self.retry_backoff), BUSY_WAIT_MAX_S)
+                if now - s.busy_warned > 10.0:
+                    s.busy_warned = now
+                    logger.warning("server %s is busy (%s: %s); requests wait %.1f s and retry (not counted as "
+                                   "failures)", s.address, status, _error_message(body)[:120], delay)
+                self._sticky.pop(rid, None)
+                await asyncio.sleep(delay)
+                continue
+            busy_since = None
             if status >= 500:
                 s.failures += 1
                 attempt += 1
@@ -812,7 +871,7 @@ class SGLangClient:
                 continue
             if status != 200:
                 raise classify_status(s.address, "/generate", status, body)
-            s.failures = 0
+            s.failures = s.busy = 0
             return body, s
 
     async def _failing_throughout(self, s: _Server) -> bool:

@@ -104,3 +104,77 @@ def test_max_new_tokens_0_is_prefilled_into_the_radix_cache(bounded):
                                                                                            "length": 0}
     st, out = post(bounded.address, "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
     assert st == 200 and out["meta_info"]["cached_tokens"] == len(ids) - 1
+
+
+def _busy_round(addr: str, n: int, hold_s: float, **client_kw):
+    """n concurrent 8-token requests through SGLangClient while generation is paused for hold_s: two are held
+    (the queue of 2 is full), the others are answered 503 until /continue_generation. Returns each request's
+    result (a ModelResponse or the exception) and the client's servers."""
+    import asyncio
+
+    from mega_async.inference.client import SGLangClient
+    from mega_async.types import ModelRequest
+
+    async def main():
+        client = SGLangClient([addr], retry_backoff=0.05, max_retries=1, **client_kw)
+        try:
+            reqs = [ModelRequest(input_ids=PROMPT[:3 + i % 3], max_new_tokens=8, ignore_eos=True) for i in range(n)]
+            tasks = [asyncio.ensure_future(client.agenerate(r)) for r in reqs]
+            await asyncio.sleep(hold_s)
+            assert post(addr, "/continue_generation", {})[0] == 200
+            return await asyncio.gather(*tasks, return_exceptions=True), client.servers
+        finally:
+            await client.aclose()
+
+    assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
+    try:
+        return asyncio.run(main())
+    finally:
+        post(addr, "/continue_generation", {})
+
+
+def test_a_busy_server_is_waited_for_never_dropped(bounded, caplog):
+    """SGLang answers 503 for a full queue (and for "retry later" aborts): backpressure, not a failing server. The
+    client waits (Retry-After, else a growing backoff) and every request finishes; before, 503s counted as
+    failures and after max_retries the server was dropped for good as a wedged engine (/model_info answers)."""
+    with caplog.at_level(logging.WARNING, logger="mega_async"):
+        results, servers = _busy_round(bounded.address, 5, 2.0)
+    assert [type(r).__name__ for r in results] == ["ModelResponse"] * 5, results
+    assert all(len(r.output_tokens) == 8 for r in results)
+    assert [(s.healthy, s.dropped) for s in servers] == [(True, None)]
+    assert any("is busy (503: The request queue is full.)" in r.getMessage() for r in caplog.records)
+
+
+def test_busy_past_the_request_timeout_fails_in_one_line(bounded):
+    """A queue that stays full past request_timeout: the request fails naming the server, the 503 and the fix."""
+    import asyncio
+
+    from mega_async.inference.client import SGLangClient
+    from mega_async.types import ModelRequest
+
+    addr = bounded.address
+    assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
+    held = {}
+    body = {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 2}}
+    t = threading.Thread(target=lambda: held.setdefault("r", post(addr, "/generate", body)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while bounded.server._held < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+        async def one():
+            client = SGLangClient([addr], retry_backoff=0.05, max_retries=1, request_timeout=1.0)
+            try:
+                return await client.agenerate(ModelRequest(input_ids=PROMPT, max_new_tokens=4))
+            finally:
+                await client.aclose()
+
+        with pytest.raises(Exception) as e:
+            asyncio.run(one())
+    finally:
+        assert post(addr, "/continue_generation", {})[0] == 200
+        t.join(60)
+    msg = str(e.value)
+    assert "answered 503 (busy: The request queue is full.)" in msg and "--max-queued-requests" in msg, msg
+    assert "\n" not in msg and held["r"][0] == 200

@@ -58,3 +58,19 @@ def test_ordinary_answers_decode_as_before():
     assert asyncio.run(_serve_and_call("/small", cap=4096)) == (200, {"ok": True, "text": "é"})
     assert asyncio.run(_serve_and_call("/empty", cap=4096)) == (200, None)
     assert asyncio.run(_serve_and_call("/declared", cap=1 << 20)) == (200, "x" * 5000)
+
+
+def test_retry_after_is_read_as_rfc_9110_says_and_bounded():
+    """delay-seconds or an HTTP date; absent, negative, garbage or a date past parsing is None (the client's own
+    backoff); a huge value is clipped here and again by BUSY_WAIT_MAX_S where it is used."""
+    import email.utils
+    import time
+
+    from mega_async.inference.client import BUSY_WAIT_MAX_S, _retry_after
+
+    assert _retry_after("3") == 3.0 and _retry_after(" 0 ") == 0.0
+    assert _retry_after("99999999999999999999") == 10 ** 6 and BUSY_WAIT_MAX_S == 30.0
+    assert all(_retry_after(v) is None for v in (None, "", "-1", "1.5", "soon", "Mon, 99 Foo 2026 99:99:99 GMT"))
+    later = _retry_after(email.utils.formatdate(time.time() + 20, usegmt=True))
+    assert later is not None and 15 <= later <= 21
+    assert _retry_after(email.utils.formatdate(time.time() - 60, usegmt=True)) == 0.0
