@@ -10,8 +10,8 @@ it). A server that answers 5xx more than `max_retries` times in a row is dropped
 /health may still answer); a busy one (429, or 503: SGLang's full queue, a server's bound on bodies in memory) is
 not a failing one: the request waits its Retry-After (else a growing backoff), goes to the least loaded server
 again, and fails in one line only after `request_timeout` seconds of busy answers; one whose /model_info fails too
-is down as a whole and taken out until it answers (never dropped for good). 401/403, a request over the context length, and no usable server within
-`unhealthy_timeout` raise `FatalEngineError`: retrying cannot fix them.
+is down as a whole and taken out until it answers (never dropped for good). 401/403, a request over the context
+length, and no usable server within `unhealthy_timeout` raise `FatalEngineError`: retrying cannot fix them.
 """
 from __future__ import annotations
 
