@@ -32,20 +32,27 @@ def sse(address: str, path: str, body: dict) -> list:
     return [json.loads(e) for e in events[:-1]]
 
 
+def fill_the_queue(bounded) -> tuple[dict, threading.Thread]:
+    """Pause (in_place) and hold two requests, filling the queue of 2; held["r"] gets their answer."""
+    addr = bounded.address
+    assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
+    held: dict = {}
+    body = {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 2}}
+    t = threading.Thread(target=lambda: held.setdefault("r", post(addr, "/generate", body)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while bounded.server._held < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return held, t
+
+
 def test_past_max_queued_requests_sglangs_503(bounded):
     """Two requests held while paused fill a queue of 2: the next body is SGLang's 503 (native and OpenAI),
     a stream's request finishes aborted with status_code 503 (native) or ends on SGLang's error chunk
     (OpenAI); the held ones run once generation continues."""
     addr = bounded.address
-    assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
-    held = {}
-    body = {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 2}}
-    t = threading.Thread(target=lambda: held.setdefault("r", post(addr, "/generate", body)))
-    t.start()
+    held, t = fill_the_queue(bounded)
     try:
-        deadline = time.monotonic() + 30
-        while bounded.server._held < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
         one = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
         assert post(addr, "/generate", one) == (503, QUEUE_FULL)
         assert post(addr, "/v1/completions", {"prompt": PROMPT, "max_tokens": 2}) == (503, QUEUE_FULL)
@@ -153,15 +160,8 @@ def test_busy_past_the_request_timeout_fails_in_one_line(bounded):
     from mega_async.types import ModelRequest
 
     addr = bounded.address
-    assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
-    held = {}
-    body = {"input_ids": [PROMPT, PROMPT[:3]], "sampling_params": {"max_new_tokens": 2}}
-    t = threading.Thread(target=lambda: held.setdefault("r", post(addr, "/generate", body)))
-    t.start()
+    held, t = fill_the_queue(bounded)
     try:
-        deadline = time.monotonic() + 30
-        while bounded.server._held < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
 
         async def one():
             client = SGLangClient([addr], retry_backoff=0.05, max_retries=1, request_timeout=1.0)
