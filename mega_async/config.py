@@ -74,9 +74,30 @@ class InferenceConfig:
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
     # launch an installed SGLang outside the tested release range (mega_async.inference.sglang_releases)
     allow_untested_sglang: bool = False
+    # a router in front of the servers (docs/inference.md, "A router in front"): none | smg (the run starts smg in
+    # front of its servers, or of inference.addresses). The run's generation goes through it while every server
+    # serves the current weights; control and weights go straight to the servers
+    router: str = "none"
+    router_address: Optional[str] = None  # a router already running in front of inference.addresses (host:port)
+    router_args: list[str] = field(default_factory=list)  # more `smg launch` flags, e.g. [--policy, round_robin]
+    router_bin: Optional[str] = None  # the smg executable (default: smg on PATH, else beside the engine's python)
 
     def validate(self) -> None:
         _choice("inference.backend", self.backend, ("embedded", "sglang", "simulated"))
+        _choice("inference.router", self.router, ("none", "smg"))
+        if (self.router != "none" or self.router_address) and self.backend == "simulated":
+            raise ConfigError("inference.router/router_address: the simulated engine has no servers to route to; "
+                              "use inference.backend=embedded or sglang")
+        if self.router_address and self.router != "none":
+            raise ConfigError(f"inference.router_address={self.router_address!r} names a running router and "
+                              f"inference.router={self.router} asks the run to start one: set one of the two")
+        if self.router_address and not self.addresses:
+            raise ConfigError("inference.router_address: a router started outside the run cannot know the servers "
+                              "the run launches; give the servers behind it in inference.addresses, or let the run "
+                              "start the router (inference.router=smg)")
+        if self.router == "none" and (self.router_args or self.router_bin):
+            raise ConfigError("inference.router_args/router_bin are for a router the run starts: set "
+                              "inference.router=smg, or leave them out")
         _positive("inference.request_timeout", self.request_timeout)
         if self.api_key is not None:
             raise ConfigError(f"inference.api_key must not be set: it would be written to the run's config.yaml; "

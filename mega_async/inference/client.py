@@ -335,11 +335,17 @@ class SGLangClient:
         version: Optional[Version] = None,
         events: Any = None,
         max_connections: Optional[int] = None,
+        router: Optional[str] = None,
     ):
         if not addresses:
             raise ValueError("SGLangClient needs at least one server address (host:port)")
         self.events = events if events is not None else NullEventLog()  # interruptions on the run's timeline
         self.servers = [_Server(self._norm(a)) for a in addresses]
+        # a router in front of these servers (smg: docs/inference.md, "A router in front"): generation goes through
+        # it while every server serves the current weights; control and weights always go straight to the servers
+        self.router: Optional[_Server] = _Server(self._norm(router)) if router else None
+        self._router_bypassed: Optional[str] = None  # why generation last went around the router (logged once)
+        self.router_answers = self.around_router_answers = 0  # /generate answers through it, and around it
         self.api_key = api_key
         self.request_timeout = request_timeout
         self.max_retries = max_retries
@@ -707,6 +713,8 @@ class SGLangClient:
         s.silent = s.silent or silent
         if silent:
             self._cut_generation(s)
+            if self.router is not None:  # some of the router's requests may be on s: sent again with their tokens
+                self._cut_generation(self.router)
         s.behind = False  # failing, not just behind: no sync target until it answers again (then behind, if so)
         s.last_probe = time.monotonic()
         if s.dropped is None:
@@ -777,6 +785,53 @@ class SGLangClient:
                 deadline = max(back)  # a restarted server is on its way
             await asyncio.sleep(min(self.health_check_interval, max(0.0, deadline - time.monotonic())))
 
+    async def _via_router(self) -> Optional[_Server]:
+        """The router, when generation may go through it: it answers, and every server is serving the current
+        weights. While one is out (down, behind the synced version, restarting, dropped) the router would still
+        send it requests, so generation goes straight to the serving servers, chosen here, until all serve again."""
+        r = self.router
+        if r is None:
+            return None
+        if not r.healthy:
+            if time.monotonic() - r.last_probe < self.health_check_interval:
+                return None
+            r.last_probe = time.monotonic()
+            try:
+                status, _ = await self._request("GET", r, "/health", timeout=2.0)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return None
+            if status != 200:
+                return None
+            logger.info("router %s answers again; generation goes through it", r.address)
+            r.healthy, r.down, r.busy = True, "", 0
+        out = next((s for s in self.servers if not s.healthy), None)
+        if out is not None:
+            why = f"server {out.address} is out ({'dropped: ' + out.dropped if out.dropped else out.down or 'behind'})"
+            if self._router_bypassed is None:
+                logger.warning("generation goes straight to the serving servers, not through router %s: %s",
+                               r.address, why)
+            self._router_bypassed = why
+            return None
+        if self._router_bypassed is not None:
+            logger.info("every server serves again: generation goes through router %s", r.address)
+            self._router_bypassed = None
+        return r
+
+    def router_stats(self) -> Optional[dict[str, int]]:
+        """With a router: the /generate answers so far that came through it and that went around it (a server out,
+        or the router failing); None without one."""
+        if self.router is None:
+            return None
+        return {"answers": self.router_answers, "around": self.around_router_answers}
+
+    def _router_down(self, why: str) -> None:
+        r = self.router
+        if r is not None and r.healthy:
+            logger.warning("router %s failed (%s): generation goes straight to the servers until it answers /health",
+                           r.address, why)
+        if r is not None:
+            r.healthy, r.down, r.last_probe = False, why, time.monotonic()
+
     def _gate(self) -> _SendGate:
         loop = asyncio.get_running_loop()
         gate = self._gates.get(loop)
@@ -802,7 +857,7 @@ class SGLangClient:
             # athrow()" in place of the task's own error (e.g. the one naming the dead server)
             await gate.acquire()
             try:
-                s = await self._choose(rid)
+                s = await self._via_router() or await self._choose(rid)
                 self._count(s, 1)
                 try:
                     payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
@@ -825,7 +880,11 @@ class SGLangClient:
                 if _broken(e) and not resent:  # most often a kept-alive connection the server had closed: the
                     resent = True  # same server again at once (a dead one refuses the new connection)
                     continue
-                if not isinstance(e, ServerHung):  # (cut short: marked already, with the reason)
+                if isinstance(e, ServerHung):  # cut short: its server was marked already, with the reason
+                    pass
+                elif s is self.router:
+                    self._router_down(_why(e))
+                else:
                     self._mark_unhealthy(s, _why(e), silent=True)
                 self._sticky.pop(rid, None)
                 await asyncio.sleep(self.retry_backoff * min(attempt, 10))
@@ -835,7 +894,7 @@ class SGLangClient:
                 busy_since = now if busy_since is None else busy_since
                 attempt += 1
                 s.busy += 1
-                if s.busy > self.max_retries and await self._failing_throughout(s):  # down as a whole (restarting,
+                if s.busy > self.max_retries and s is not self.router and await self._failing_throughout(s):  # down as a whole (restarting,
                     self._mark_unhealthy(s, f"/generate answered {status} {s.busy} times in a row and /model_info "
                                             "fails too")  # the fleet's `error`): out until /model_info answers
                     s.busy = 0
@@ -860,7 +919,10 @@ class SGLangClient:
                 attempt += 1
                 if s.failures > self.max_retries:
                     why = f"/generate answered {status} {s.failures} times in a row: {_error_message(body)[:200]}"
-                    if await self._failing_throughout(s):  # out until its /model_info answers again
+                    if s is self.router:  # around it to the servers until it answers /health again; never dropped
+                        self._router_down(why)
+                        s.failures = 0
+                    elif await self._failing_throughout(s):  # out until its /model_info answers again
                         self._mark_unhealthy(s, why + " (and /model_info fails too)")
                         s.failures = 0
                     else:  # a wedged engine behind a working front (/health may answer): never re-admitted
@@ -872,6 +934,11 @@ class SGLangClient:
             if status != 200:
                 raise classify_status(s.address, "/generate", status, body)
             s.failures = s.busy = 0
+            if self.router is not None:
+                if s is self.router:
+                    self.router_answers += 1
+                else:
+                    self.around_router_answers += 1
             return body, s
 
     async def _failing_throughout(self, s: _Server) -> bool:
@@ -927,7 +994,10 @@ class SGLangClient:
                 out, server = await self._generate_once(req.rid, payload)
                 meta = out["meta_info"]
                 if (stale := self._stale_answer(meta, sent_at)) is not None:  # its tokens are dropped, sent again
-                    self._set_behind(server, stale)
+                    if server is self.router:  # which server answered is not known: ask each for its version
+                        await self.find_behind()
+                    else:
+                        self._set_behind(server, stale)
                     self._sticky.pop(req.rid, None)
                     dropped_answers += 1
                     if dropped_answers > self.max_retries:

@@ -97,6 +97,8 @@ class InferenceService:
                  cpu_share: float = 1.0, events: Any = None):
         self.cfg = cfg
         self.launcher: Any = None
+        self.router: Any = None  # the smg the run started (inference.router=smg)
+        self.router_address: Optional[str] = None
         self._supervisor: Optional[ServerSupervisor] = None  # set before any return: close() reads it
         self.tokenizer: Any = None
         self.vocab_size = 64
@@ -140,15 +142,46 @@ class InferenceService:
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
             addresses = self.launcher.start()
         self.addresses = addresses
+        self.router_address = inf.router_address
+        if inf.router == "smg":
+            self.router_address = self._start_router(addresses)
         self.engine = SGLangClient(addresses, api_key=api_key(cfg), request_timeout=inf.request_timeout,
                                    max_retries=inf.max_retries, unhealthy_timeout=inf.unhealthy_timeout,
-                                   version=version, events=events)
+                                   version=version, events=events, router=self.router_address)
         if self.launcher is not None:
             self._supervisor = ServerSupervisor(self.launcher, self.engine, inf.max_server_restarts, events=events)
+
+    def _start_router(self, addresses: list[str]) -> str:
+        """smg in front of `addresses`; stopped with the servers (close), or at once if this fails."""
+        from mega_async.inference.router import RouterLauncher, find_smg
+        from mega_async.inference.sglang_cpu import engine_python
+
+        inf = self.cfg.inference
+        if api_key(self.cfg):
+            self.close()
+            raise ConfigError(f"inference.router=smg with an API key ({inf.api_key_env}): smg takes the servers' key "
+                              "only on its command line, where every user of the host can read it; start smg "
+                              "yourself and pass inference.router_address")
+        try:
+            try:
+                python: Optional[str] = engine_python()
+            except FileNotFoundError:
+                python = None
+            smg = find_smg(inf.router_bin, python)
+            log_dir = self.cfg.run_dir / "server_logs"
+            log_dir.mkdir(parents=True, exist_ok=True)
+            self.router = RouterLauncher(smg, addresses, host=_server_host(), args=inf.router_args,
+                                         log_path=log_dir / "router.log")
+            return self.router.start()
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._supervisor is not None:
             self._supervisor.stop()
+        if self.router is not None:
+            self.router.stop()
         if self.launcher is not None:
             self.launcher.stop()
 

@@ -71,6 +71,7 @@ class RolloutHead:
             "train_s": round(batch.train_s, 3), "step_s": round(step_s, 3),
             **prefixed("train", train), **prefixed("batch", batch.stats), **sync, **prefixed("executor", self.ex.stats),
             **prefixed("filter", self.flt.stats if self.flt else None),
+            **prefixed("router", getattr(self.service.engine, "router_stats", lambda: None)()),
             **(self.evaluator.maybe_evaluate(step) if self.evaluator else {})})
         logger.info("step %d: reward %.3f, loss %.4f, %d tokens, grad norm %.3f, staleness %.2f, %.1fs", step,
                     stat["reward_mean"], train.get("loss", 0.0), train.get("tokens", 0), train.get("grad_norm", 0.0),

@@ -1,14 +1,17 @@
 """A real router, `smg` 1.13.0 (PyPI; installed into the engine's environment by tools/install_sglang_cpu.sh), in front of
-a real SGLang 0.5.23 CPU server and an embedded server (this machine runs one real server at a time: two would need
-6 GB and both cores while other sessions run; docs/inference.md, "A router in front"): generation through it keeps
-SGLang's fields (routed experts, logprobs, per-token weight versions) and reaches both workers; its RL control plane
-(`--enable-rl`, `/v1/rl/engine/<route>`) fans pause, weight-update sessions, disk loads, version labels, flush and
-continue out to both, as straight calls to the workers would.
+two real SGLang 0.5.23 CPU servers: generation through it keeps SGLang's fields (routed experts, logprobs, per-token
+weight versions) and reaches both workers; its RL control plane (`--enable-rl`, `/v1/rl/engine/<route>`) fans pause,
+weight-update sessions, disk loads, version labels, flush and continue out to both, as straight calls to the workers
+would; a training run sends its generation through it (inference.router_address) with control and weights straight
+to the workers, and a run that starts smg itself (inference.router=smg) keeps a server behind the synced weights out
+of generation by going around the router until it is back.
 """
+import asyncio
 import base64
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,9 +19,11 @@ import pytest
 import torch
 
 from mega_async.comm import free_port
+from mega_async.config import load_config
 from mega_async.inference import sglang_cpu
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import ensure_weights
+from mega_async.types import ModelRequest, WeightVersion
 from .conftest import REAL_ENGINE, get, post
 
 pytestmark = REAL_ENGINE
@@ -29,30 +34,34 @@ P = [3, 14, 15, 92, 65, 35]
 SELECT = "?selector=engine%3Dsglang"
 
 
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    """(router address, [real server, embedded server]); smg from the engine's environment."""
-    ensure_weights(CARD)
-    logs = tmp_path_factory.mktemp("router")
+def smg_path() -> Path:
     smg = Path(os.environ[sglang_cpu.VENV_ENV]) / "bin" / "smg"
     assert smg.exists(), f"{smg}: smg is not installed in the engine's environment; run tools/install_sglang_cpu.sh"
-    extra = ["--enable-return-routed-experts"]
-    real = ServerSpec("sglang", str(CARD), device="cpu", dtype="float32", num_threads=1, extra_args=extra)
-    emb = ServerSpec("embedded", str(CARD), dtype="float32", num_threads=1, extra_args=extra)
-    with ServerLauncher(real, log_dir=str(logs / "real"), startup_timeout=400) as a, \
-            ServerLauncher(emb, log_dir=str(logs / "embedded"), startup_timeout=200) as b:
-        workers = a.addresses + b.addresses
+    return smg
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """(router address, [real server, real server]): two real CPU servers (one thread each) behind smg."""
+    ensure_weights(CARD)
+    logs = tmp_path_factory.mktemp("router")
+    real = ServerSpec("sglang", str(CARD), num_servers=2, device="cpu", dtype="float32", num_threads=1,
+                      extra_args=["--enable-return-routed-experts"])
+    with ServerLauncher(real, log_dir=str(logs / "real"), startup_timeout=400) as servers:
+        workers = servers.addresses
         port = free_port()
         with open(logs / "smg.log", "w") as log:
-            proc = subprocess.Popen([str(smg), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                                     *[f"http://{w}" for w in workers], "--enable-rl", "--policy", "round_robin",
-                                     "--log-level", "warn"], stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen([str(smg_path()), "launch", "--host", "127.0.0.1", "--port", str(port),
+                                     "--worker-urls", *[f"http://{w}" for w in workers], "--enable-rl",
+                                     "--policy", "round_robin", "--log-level", "warn"],
+                                    stdout=log, stderr=subprocess.STDOUT)
         try:
             router = f"127.0.0.1:{port}"
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    if get(router, "/v1/rl/workers")[1]["workers"][1]["health"] == "ready":
+                    if all(w["health"] == "ready" for w in get(router, "/v1/rl/workers")[1]["workers"]) \
+                            and len(get(router, "/v1/rl/workers")[1]["workers"]) == 2:
                         break
                 except Exception:  # noqa: BLE001 - not listening yet
                     pass
@@ -72,7 +81,7 @@ def fanout(router: str, route: str, body: dict) -> dict:
 
 def test_generation_through_the_router_keeps_sglangs_fields_and_reaches_both(fleet):
     router, workers = fleet
-    for w, label in zip(workers, ("real", "embedded")):  # each worker names itself in its answers' versions
+    for w, label in zip(workers, ("a", "b")):  # each worker names itself in its answers' versions
         assert post(w, "/update_weight_version", {"new_version": label})[0] == 200
     cfg = json.loads((CARD / "config.json").read_text())
     seen = set()
@@ -87,7 +96,7 @@ def test_generation_through_the_router_keeps_sglangs_fields_and_reaches_both(fle
         routes = base64.b64decode(meta["routed_experts"])  # int32, (tokens - 1) x layers x top-k
         assert len(routes) == 4 * (len(P) + 3 - 1) * cfg["num_hidden_layers"] * cfg["num_experts_per_tok"]
         assert torch.frombuffer(bytearray(routes), dtype=torch.int32).max() < cfg["num_experts"]
-    assert seen == {"real", "embedded"}
+    assert seen == {"a", "b"}
 
 
 def test_rl_fanout_pauses_updates_and_continues_both_workers(fleet):
@@ -107,3 +116,75 @@ def test_rl_fanout_pauses_updates_and_continues_both_workers(fleet):
         assert get(w, "/model_info")[1]["weight_version"] == "9"
     status, out = post(router, "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and out["meta_info"]["weight_version"] == "9"  # continued: both generate again
+
+
+def test_a_run_generates_through_the_router_with_control_and_weights_straight_to_the_workers(fleet, tmp_path):
+    """The tiny run on the two real servers with its generation through smg (inference.router_address): every
+    answer came through the router, every step's weights were broadcast into both workers (distributed sync,
+    verified against the trainer's logprobs), and both end at the run's last version."""
+    router, workers = fleet
+    steps = 4
+    out = subprocess.run([sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu_sglang.yaml"),
+                          f"logging.root_dir={tmp_path}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
+                          "parallel.allocation=sglang:d2+megatron:d1",
+                          f"inference.addresses=[{','.join(workers)}]", f"inference.router_address={router}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    run = next(tmp_path.glob("*/*/metrics.jsonl")).parent
+    history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == list(range(1, steps + 1))
+    last = history[-1]
+    assert last["router/answers"] > 0 and last["router/around"] == 0, last
+    for w in workers:
+        assert get(w, "/model_info")[1]["weight_version"] == str(steps)
+
+
+def test_a_server_behind_the_synced_weights_is_kept_out_by_going_around_the_router(tmp_path):
+    """inference.router=smg: the run starts smg in front of the servers it launched (embedded here: the client's
+    logic is the same for every engine). A server found at an older weight version than the synced one is out of
+    generation, so generation goes straight to the serving server, never through the router (which would still send
+    it requests); once the server is back at the synced version, generation goes through the router again."""
+    from mega_async.inference.service import InferenceService
+
+    cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
+        f"logging.root_dir={tmp_path}", "parallel.allocation=sglang:d2+megatron:d1", "inference.router=smg",
+        "inference.router_args=[--policy,round_robin]"])
+    version = WeightVersion()
+    service = InferenceService(cfg, version)
+    try:
+        assert service.router is not None and service.router.proc.poll() is None
+        client = service.engine
+        a, b = service.addresses
+
+        def ask(n: int) -> list:
+            async def go():
+                reqs = [ModelRequest(rid=f"q{time.monotonic_ns()}-{i}", input_ids=P, max_new_tokens=3)
+                        for i in range(n)]
+                return await asyncio.gather(*(client.agenerate(r) for r in reqs))
+            return asyncio.run(go())
+
+        ask(4)
+        assert client.router_stats() == {"answers": 4, "around": 0}
+        for w in (a, b):  # as a sync leaves them: both at version 3
+            assert post(w, "/update_weight_version", {"new_version": "3"})[0] == 200
+        client.synced(3)
+        version.set(3)
+        assert post(b, "/update_weight_version", {"new_version": "2"})[0] == 200  # b restarted at older weights
+        got = ask(8)
+        assert all(set(r.output_versions) == {3} for r in got), [r.output_versions for r in got]
+        stats = client.router_stats()
+        assert stats["around"] >= 1, stats  # b was found behind: around the router to a
+        assert not next(s for s in client.servers if s.address.endswith(b)).healthy
+        around = stats["around"]
+        assert post(b, "/update_weight_version", {"new_version": "3"})[0] == 200  # b has the synced weights again
+        time.sleep(client.health_check_interval + 0.1)
+        ask(1)  # on its way (around the router: b is still out) the request probes b, which is re-admitted
+        assert next(s for s in client.servers if s.address.endswith(b)).healthy
+        before = client.router_stats()
+        ask(6)  # every server serves again: through the router
+        stats = client.router_stats()
+        assert stats == {"answers": before["answers"] + 6, "around": before["around"]}, (before, stats)
+        assert before["around"] <= around + 1
+    finally:
+        service.close()
+    assert service.router.proc.poll() is not None  # stopped with the servers: nothing left behind

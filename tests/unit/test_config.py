@@ -149,3 +149,40 @@ def test_failure_limits_are_validated():
     for bad in ("inference.max_retries=-1", "inference.unhealthy_timeout=0", "rollout.max_consecutive_failures=0"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             load_config(None, [bad])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["inference.router=nginx"], r"inference.router.*smg"),
+    (["inference.router=smg", "inference.backend=simulated"], r"simulated engine has no servers"),
+    (["inference.router=smg", "inference.router_address=127.0.0.1:9", "inference.addresses=[127.0.0.1:8]"],
+     r"set one of the two"),
+    (["inference.router_address=127.0.0.1:9"], r"give the servers behind it in inference.addresses"),
+    (["inference.router_args=[--policy,round_robin]"], r"set inference.router=smg"),
+    (["inference.router_bin=/usr/bin/smg"], r"set inference.router=smg"),
+])
+def test_router_settings_that_cannot_work_are_refused_in_one_line(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_router_settings_that_work_load():
+    cfg = load_config(None, ["inference.router=smg", "inference.router_args=[--policy,cache_aware]"])
+    assert cfg.inference.router == "smg" and cfg.inference.router_args == ["--policy", "cache_aware"]
+    cfg = load_config(None, ["inference.addresses=[127.0.0.1:8,127.0.0.1:7]", "inference.router_address=127.0.0.1:9",
+                             "parallel.allocation=sglang:d2+megatron:d1"])
+    assert cfg.inference.router_address == "127.0.0.1:9"
+
+
+def test_a_missing_smg_names_the_fix(tmp_path, monkeypatch):
+    from mega_async.inference.router import find_smg
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"no `smg` executable on PATH.*pip install smg"):
+        find_smg(None, str(tmp_path / "venv" / "bin" / "python"))
+    with pytest.raises(ConfigError, match=r"inference.router_bin='/nope/smg' is not an executable file"):
+        find_smg("/nope/smg")
+    beside = tmp_path / "venv" / "bin"
+    beside.mkdir(parents=True)
+    (beside / "smg").write_text("#!/bin/sh\n")
+    (beside / "smg").chmod(0o755)
+    assert find_smg(None, str(beside / "python")) == str(beside / "smg")

@@ -1,0 +1,138 @@
+"""A router in front of the run's servers: `smg` (PyPI; SGLang's model gateway, sglang-router's successor), started
+by the run (`inference.router: smg`) or already running (`inference.router_address`).
+
+The run's generation goes through the router while every server serves the current weights; control (pause,
+continue, abort) and weights always go straight to the servers (mega_async.inference.client), so the router needs
+no part in a weight sync. docs/inference.md, "A router in front".
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Optional, Sequence
+
+from mega_async.comm import free_port
+from mega_async.config import ConfigError
+
+logger = logging.getLogger("mega_async.inference.router")
+
+INSTALL_HINT = ("install it with `pip install smg` (tools/install_sglang_cpu.sh puts it in the real engine's "
+                "environment) or name it with inference.router_bin")
+
+
+def find_smg(configured: Optional[str] = None, engine_python: Optional[str] = None) -> str:
+    """The smg executable: `configured` (inference.router_bin), else `smg` on PATH, else the one next to the real
+    engine's interpreter. One line naming the fix when there is none."""
+    if configured:
+        path = shutil.which(configured) or configured
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise ConfigError(f"inference.router_bin={configured!r} is not an executable file; {INSTALL_HINT}")
+        return path
+    found = shutil.which("smg")
+    if found:
+        return found
+    if engine_python:
+        beside = Path(engine_python).parent / "smg"
+        if beside.is_file() and os.access(beside, os.X_OK):
+            return str(beside)
+    raise ConfigError(f"inference.router=smg: no `smg` executable on PATH"
+                      f"{' or beside ' + engine_python if engine_python else ''}; {INSTALL_HINT}")
+
+
+def router_command(smg: str, host: str, port: int, workers: Sequence[str], args: Sequence[str] = ()) -> list[str]:
+    urls = [w if w.startswith("http") else f"http://{w}" for w in workers]
+    return [smg, "launch", "--host", host, "--port", str(port), "--worker-urls", *urls,
+            "--log-level", "warn", *args]
+
+
+def readiness(address: str, timeout: float = 2.0) -> Optional[dict]:
+    """smg's GET /readiness ({"status", "healthy_workers", "total_workers"}), None when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/readiness", timeout=timeout) as r:
+            body = json.loads(r.read(65536) or b"{}")
+            return body if isinstance(body, dict) else None
+    except urllib.error.HTTPError as e:  # 503 while not ready: still a body
+        try:
+            body = json.loads(e.read(65536) or b"{}")
+            return body if isinstance(body, dict) else None
+        except ValueError:
+            return None
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
+class RouterLauncher:
+    """Starts smg in front of `workers`, waits until it reports every worker healthy, stops it (its process group)
+    at the end; the process dies with the run (PR_SET_PDEATHSIG) and is never left behind."""
+
+    def __init__(self, smg: str, workers: Sequence[str], host: str = "127.0.0.1", args: Sequence[str] = (),
+                 log_path: Optional[Path] = None, startup_timeout: float = 120.0):
+        self.smg, self.workers, self.host, self.args = smg, list(workers), host, list(args)
+        self.log_path = Path(log_path) if log_path else None
+        self.startup_timeout = startup_timeout
+        self.proc: Optional[subprocess.Popen] = None
+        self.address: Optional[str] = None
+
+    def start(self) -> str:
+        from mega_async.inference.servers import _die_with_parent
+
+        port = free_port(self.host)
+        cmd = router_command(self.smg, self.host, port, self.workers, self.args)
+        logger.info("starting router: %s", " ".join(cmd))
+        log = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         preexec_fn=_die_with_parent)
+        finally:
+            if self.log_path:
+                log.close()
+        self.address = f"{self.host}:{port}"
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        last: Optional[dict] = None
+        while time.monotonic() < deadline:
+            assert self.proc is not None and self.address is not None
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"router (smg) exited with code {rc} before it was ready; last log lines "
+                                   f"({self.log_path}):\n{self.log_tail()}")
+            last = readiness(self.address)
+            if last and last.get("healthy_workers") == len(self.workers):
+                return
+            time.sleep(0.2)
+        raise TimeoutError(f"router (smg) at {self.address} not ready after {self.startup_timeout:.0f} s (last "
+                           f"/readiness {last}); log: {self.log_path}\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:]) if self.log_path else ""
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 10.0) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        except ProcessLookupError:
+            pass
