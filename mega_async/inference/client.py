@@ -346,6 +346,8 @@ class SGLangClient:
         self.router: Optional[_Server] = _Server(self._norm(router)) if router else None
         self._router_bypassed: Optional[str] = None  # why generation last went around the router (logged once)
         self.router_answers = self.around_router_answers = 0  # /generate answers through it, and around it
+        self._dropped_any = False  # a server was dropped for good (then generation never goes through the router)
+        self._finding: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}  # per loop: the find_behind under way
         self.api_key = api_key
         self.request_timeout = request_timeout
         self.max_retries = max_retries
@@ -613,6 +615,17 @@ class SGLangClient:
         await asyncio.gather(*(one(s) for s in self.servers if s.dropped is None and s.healthy))
         return found
 
+    async def _find_behind_once(self) -> None:
+        """find_behind, one at a time per event loop: the requests that got a stale answer together wait for the
+        same look (not one each)."""
+        loop = asyncio.get_running_loop()
+        fut = self._finding.get(loop)
+        if fut is None or fut.done():
+            for other in [x for x in self._finding if x.is_closed()]:
+                del self._finding[other]
+            fut = self._finding[loop] = loop.create_task(self.find_behind())
+        await asyncio.shield(fut)
+
     def _stale_answer(self, meta: dict, sent_at: int) -> Optional[str]:
         """The weight version of an answer that no up-to-date server could have given: every token generated
         after a request was sent at version v comes from v or later (the version moves only after every server
@@ -677,6 +690,7 @@ class SGLangClient:
         if s.dropped is None:  # the first reason is kept (requests in flight may fail it once more)
             logger.error("server %s dropped: %s", s.address, why)
             s.dropped = why
+            self._dropped_any = True
         s.healthy = False
         self._suspects.discard(self._index.get(id(s), -1))
 
@@ -804,7 +818,7 @@ class SGLangClient:
                 return None
             logger.info("router %s answers again; generation goes through it", r.address)
             r.healthy, r.down, r.busy = True, "", 0
-        out = next((s for s in self.servers if not s.healthy), None)
+        out = next((s for s in self.servers if not s.healthy), None) if self._suspects or self._dropped_any else None
         if out is not None:
             why = f"server {out.address} is out ({'dropped: ' + out.dropped if out.dropped else out.down or 'behind'})"
             if self._router_bypassed is None:
@@ -995,7 +1009,7 @@ class SGLangClient:
                 meta = out["meta_info"]
                 if (stale := self._stale_answer(meta, sent_at)) is not None:  # its tokens are dropped, sent again
                     if server is self.router:  # which server answered is not known: ask each for its version
-                        await self.find_behind()
+                        await self._find_behind_once()
                     else:
                         self._set_behind(server, stale)
                     self._sticky.pop(req.rid, None)

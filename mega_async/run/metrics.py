@@ -3,7 +3,8 @@ memory/utilisation through nvidia-ml-py when a GPU is present.
 
 Names: `reward_mean` (over every generated group, filtered or not), `batch_reward_mean` (the trained
 batch), `train/*` (engine), `sync/*` (weight sync), `executor/*` (staleness manager and executor),
-`filter/*` (dynamic filter), `gpu/*`, and the timings `rollout_wait_s`, `train_s`, `step_s`, `elapsed_s`.
+`filter/*` (dynamic filter), `router/*` (generation through a router: answers through it, around it), `gpu/*`,
+and the timings `rollout_wait_s`, `train_s`, `step_s`, `elapsed_s`.
 """
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def test_a_run_generates_through_the_router_with_control_and_weights_straight_to
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = next(tmp_path.glob("*/*/metrics.jsonl")).parent
     history = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [h["step"] for h in history] == list(range(1, steps + 1))
+    assert [h["step"] for h in history] == list(range(steps))
     last = history[-1]
     assert last["router/answers"] > 0 and last["router/around"] == 0, last
     for w in workers:
