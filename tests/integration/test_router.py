@@ -120,14 +120,16 @@ def test_rl_fanout_pauses_updates_and_continues_both_workers(fleet):
 
 def test_a_run_generates_through_the_router_with_control_and_weights_straight_to_the_workers(fleet, tmp_path):
     """The tiny run on the two real servers with its generation through smg (inference.router_address): every
-    answer came through the router, every step's weights were broadcast into both workers (distributed sync,
-    verified against the trainer's logprobs), and both end at the run's last version."""
+    answer came through the router with the engine's routed experts (replayed by the trainer, R3, with no route
+    mismatch), every step's weights were broadcast into both workers (distributed sync, verified against the
+    trainer's logprobs) with retract pauses, and both end at the run's last version."""
     router, workers = fleet
     steps = 4
     out = subprocess.run([sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu_sglang.yaml"),
                           f"logging.root_dir={tmp_path}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
                           "parallel.allocation=sglang:d2+megatron:d1",
-                          f"inference.addresses=[{','.join(workers)}]", f"inference.router_address={router}"],
+                          f"inference.addresses=[{','.join(workers)}]", f"inference.router_address={router}",
+                          "algorithm.routing_replay=true", "rollout.interrupt=retract"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = next(tmp_path.glob("*/*/metrics.jsonl")).parent
@@ -135,6 +137,9 @@ def test_a_run_generates_through_the_router_with_control_and_weights_straight_to
     assert [h["step"] for h in history] == list(range(steps))
     last = history[-1]
     assert last["router/answers"] > 0 and last["router/around"] == 0, last
+    for m in history:  # the engine's routed experts came back through smg: replayed with no mismatch
+        assert m["train/mismatch/route_top1_frac"] == 0 and m["train/mismatch/route_set_frac"] == 0, m
+        assert m["train/mismatch/current_tokens"] > 0 and m["sync/verify_max_abs_diff"] < 1e-4, m
     for w in workers:
         assert get(w, "/model_info")[1]["weight_version"] == str(steps)
 
