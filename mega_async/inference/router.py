@@ -7,6 +7,7 @@ no part in a weight sync. docs/inference.md, "A router in front".
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -82,10 +83,20 @@ class RouterLauncher:
         self.address: Optional[str] = None
 
     def start(self) -> str:
+        self.address = f"{self.host}:{free_port(self.host)}"
+        self._spawn()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self.address
+
+    def _spawn(self) -> None:
         from mega_async.inference.servers import _die_with_parent
 
-        port = free_port(self.host)
-        cmd = router_command(self.smg, self.host, port, self.workers, self.args)
+        assert self.address is not None
+        cmd = router_command(self.smg, self.host, int(self.address.rsplit(":", 1)[1]), self.workers, self.args)
         logger.info("starting router: %s", " ".join(cmd))
         log = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         try:
@@ -94,13 +105,17 @@ class RouterLauncher:
         finally:
             if self.log_path:
                 log.close()
-        self.address = f"{self.host}:{port}"
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self.address
+
+    def exited(self) -> Optional[int]:
+        """Its exit code once its process has ended (None while it runs, or before start)."""
+        return self.proc.poll() if self.proc is not None else None
+
+    def restart(self) -> None:
+        """Start it again at its address (its log appended); does not wait: the client goes around it until it
+        answers /health."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("the router is still running")
+        self._spawn()
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -131,8 +146,9 @@ class RouterLauncher:
         try:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
         except ProcessLookupError:
             pass
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

@@ -148,8 +148,9 @@ class InferenceService:
         self.engine = SGLangClient(addresses, api_key=api_key(cfg), request_timeout=inf.request_timeout,
                                    max_retries=inf.max_retries, unhealthy_timeout=inf.unhealthy_timeout,
                                    version=version, events=events, router=self.router_address)
-        if self.launcher is not None:
-            self._supervisor = ServerSupervisor(self.launcher, self.engine, inf.max_server_restarts, events=events)
+        if self.launcher is not None or self.router is not None:
+            self._supervisor = ServerSupervisor(self.launcher, self.engine, inf.max_server_restarts, events=events,
+                                                router=self.router)
 
     def _start_router(self, addresses: list[str]) -> str:
         """smg in front of `addresses`; stopped with the servers (close), or at once if this fails."""
@@ -191,12 +192,18 @@ class ServerSupervisor:
     each; the client keeps it out until it serves the current weights (the weight sync brings them). Past the
     limit the server is given up on (dropped from the client) with one line saying so."""
 
-    def __init__(self, launcher: Any, client: Any, max_restarts: int, interval: float = 0.5, events: Any = None):
+    def __init__(self, launcher: Any, client: Any, max_restarts: int, interval: float = 0.5, events: Any = None,
+                 router: Any = None):
         self.launcher, self.client, self.max_restarts, self.interval = launcher, client, max_restarts, interval
         self.events = events
-        self.restarts = [0] * len(launcher.procs)
-        self.not_before = [0.0] * len(launcher.procs)  # backoff: 1, 2, 4 ... 30 s between restarts of one server
+        n = len(launcher.procs) if launcher is not None else 0
+        self.restarts = [0] * n
+        self.not_before = [0.0] * n  # backoff: 1, 2, 4 ... 30 s between restarts of one server
         self.given_up: set[int] = set()
+        # the run's router (inference.router=smg): restarted the same way (its index here is -1); meanwhile the
+        # client sends generation around it
+        self.router = router
+        self.router_restarts, self.router_not_before = 0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="server-supervisor", daemon=True)
         self._thread.start()
@@ -205,12 +212,33 @@ class ServerSupervisor:
         # the servers it restarts die with this thread (PR_SET_PDEATHSIG is per thread): it must not end early
         while not self._stop.wait(self.interval):
             try:
-                for i, rc in self.launcher.exited():
+                for i, rc in (self.launcher.exited() if self.launcher is not None else []):
                     if (i not in self.given_up and not self._stop.is_set() and not self.launcher.stopping
                             and time.monotonic() >= self.not_before[i]):
                         self.check(i, rc)
+                if self.router is not None and (rc := self.router.exited()) is not None and not self._stop.is_set() \
+                        and time.monotonic() >= self.router_not_before and -1 not in self.given_up:
+                    self.check_router(rc)
             except Exception:  # noqa: BLE001 - logged; supervision goes on
                 logger.exception("server supervisor")
+
+    def check_router(self, rc: int) -> None:
+        if self.router_restarts >= self.max_restarts:
+            self.given_up.add(-1)
+            logger.error("router %s exited %d times (last code %s); given up after inference.max_server_restarts=%d "
+                         "restarts: generation goes straight to the servers (log: %s)", self.router.address,
+                         self.router_restarts + 1, rc, self.max_restarts, self.router.log_path)
+            return
+        self.router_restarts += 1
+        self.router_not_before = time.monotonic() + min(30.0, 2.0 ** (self.router_restarts - 1))
+        logger.warning("router %s exited with code %s; restarting it (%d of %d)", self.router.address, rc,
+                       self.router_restarts, self.max_restarts)
+        if self.events is not None:
+            self.events.emit("router_restarted", router=self.router.address, code=rc, restarts=self.router_restarts)
+        try:
+            self.router.restart()
+        except Exception as e:  # noqa: BLE001 - counted: the next look finds it ended again
+            logger.error("router %s could not be started again: %s: %s", self.router.address, type(e).__name__, e)
 
     def check(self, i: int, rc: int) -> None:
         address = self.launcher.addresses[i]

@@ -148,7 +148,8 @@ def test_a_server_behind_the_synced_weights_is_kept_out_by_going_around_the_rout
     """inference.router=smg: the run starts smg in front of the servers it launched (embedded here: the client's
     logic is the same for every engine). A server found at an older weight version than the synced one is out of
     generation, so generation goes straight to the serving server, never through the router (which would still send
-    it requests); once the server is back at the synced version, generation goes through the router again."""
+    it requests); once the server is back at the synced version, generation goes through the router again. A router
+    that dies is gone around, restarted by the run, and used again."""
     from mega_async.inference.service import InferenceService
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu.yaml", [
@@ -190,6 +191,16 @@ def test_a_server_behind_the_synced_weights_is_kept_out_by_going_around_the_rout
         stats = client.router_stats()
         assert stats == {"answers": before["answers"] + 6, "around": before["around"]}, (before, stats)
         assert before["around"] <= around + 1
+        service.router.proc.kill()  # the router dies: generation goes around it; the run restarts it
+        service.router.proc.wait()
+        got = ask(4)
+        assert all(set(r.output_versions) == {3} for r in got)
+        deadline = time.monotonic() + 60
+        while client.router_stats()["answers"] == stats["answers"]:  # restarted: through it again
+            assert time.monotonic() < deadline, client.router_stats()
+            time.sleep(0.5)
+            ask(1)
+        assert service._supervisor.router_restarts == 1
     finally:
         service.close()
     assert service.router.proc.poll() is not None  # stopped with the servers: nothing left behind
