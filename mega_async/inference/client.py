@@ -908,9 +908,11 @@ class SGLangClient:
                 busy_since = now if busy_since is None else busy_since
                 attempt += 1
                 s.busy += 1
-                if s.busy > self.max_retries and s is not self.router and await self._failing_throughout(s):  # down as a whole (restarting,
+                # a server down as a whole (restarting, the fleet's `error`) is out until /model_info answers; the
+                # router is only ever waited for
+                if s.busy > self.max_retries and s is not self.router and await self._failing_throughout(s):
                     self._mark_unhealthy(s, f"/generate answered {status} {s.busy} times in a row and /model_info "
-                                            "fails too")  # the fleet's `error`): out until /model_info answers
+                                            "fails too")
                     s.busy = 0
                     self._sticky.pop(rid, None)
                     continue  # reroute at once

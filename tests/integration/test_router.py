@@ -125,7 +125,8 @@ def test_a_run_generates_through_the_router_with_control_and_weights_straight_to
     trainer's logprobs) with retract pauses, and both end at the run's last version."""
     router, workers = fleet
     steps = 4
-    out = subprocess.run([sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu_sglang.yaml"),
+    config = ROOT / "configs" / "tiny_cpu_sglang.yaml"
+    out = subprocess.run([sys.executable, "-m", "mega_async.cli", "train", "-c", str(config),
                           f"logging.root_dir={tmp_path}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
                           "parallel.allocation=sglang:d2+megatron:d1",
                           f"inference.addresses=[{','.join(workers)}]", f"inference.router_address={router}",
