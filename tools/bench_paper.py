@@ -520,6 +520,37 @@ def table2(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
+PER_STEP = (10, 30, 80, 140)  # the steps of issue 35's per-step comparison
+
+
+def per_step_table(runs: list[dict], steps: Sequence[int] = PER_STEP, window: int = TAIL) -> str:
+    """Markdown: per variant the train reward over the `window` steps ending at each of `steps` (mean ± 95%
+    interval over seeds) and its gap to sync's, paired by seed (the same seed is the same SFT start and prompt
+    order, so the pairing takes the seeds' spread out of the gap); steps a variant's runs did not reach are left
+    out."""
+    order = variant_order()
+    names = sorted({r["name"] for r in runs}, key=lambda n: (order.get(n, len(order)), n))
+    sync = {r["seed"]: r for r in runs if r["name"] == "sync"}
+    head = ["variant", "seeds"] + [f"step {s}" for s in steps] + [f"gap to sync, step {s} (paired seeds)"
+                                                                  for s in steps]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        rs = [r for r in runs if r["name"] == name]
+        cells = [_ci(t_interval([reward_at(r["curve"], s, window) for r in rs])) for s in steps]
+        gaps = []
+        for s in steps:
+            pairs = [(reward_at(r["curve"], s, window), reward_at(sync[r["seed"]]["curve"], s, window))
+                     for r in rs if r["seed"] in sync]
+            d = t_interval([a - b for a, b in pairs if a is not None and b is not None])
+            if name == "sync" or d["mean"] is None:
+                gaps.append("-")
+            else:
+                half = f" ± {d['ci95']:.3f}" if d["ci95"] is not None else ""
+                gaps.append(f"{d['mean']:+.3f}{half} ({d['n']})")
+        lines.append("| " + " | ".join([name, str(len(rs))] + cells + gaps) + " |")
+    return "\n".join(lines)
+
+
 def diagnostics_table(runs: list[dict]) -> str:
     """Markdown: per variant the mean over seeds (those whose runs recorded them) of each diagnostic."""
     order = variant_order()
@@ -644,6 +675,8 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
                f"over {sft['problems']} problems.\n\n" if sft else ""))
     (out / "table2.md").write_text(f"{head}{text}\n\n## Headline: time to sync's final reward, reward at equal wall "
                                    f"time, overlap bound\n\n{hl}\n\n"
+                                   f"## Per step: train reward over the {TAIL} steps ending at each step, and the gap "
+                                   f"to sync\n\n{per_step_table(runs)}\n\n"
                                    f"{json.dumps({k: v for k, v in meta.items() if k != 'sft_eval'})}\n")
     if any(r.get("diag") for r in runs):
         (out / "diagnostics.md").write_text(

@@ -231,3 +231,16 @@ def test_headline_time_to_sync_final_equal_wall_and_bound_by_hand():
     text = bp.headline_table(h, ["sync", "eta2-dec", "eta8-dec"])
     assert "| eta2-dec | 6 ± 0 (2/2) |" in text and "| eta8-dec | - (0/2) |" in text
     assert bp.headline([r for r in runs if r["name"] != "sync"]) == {}
+
+
+def test_per_step_table_pairs_the_gap_to_sync_by_seed():
+    # two seeds whose levels differ a lot: the paired gap is exact, the unpaired spread would swamp it
+    runs = [fake("sync", 1, eta=0, rewards=[0.2] * 12), fake("sync", 2, eta=0, rewards=[0.8] * 12),
+            fake("eta1-dec", 1, eta=1, rewards=[0.15] * 12), fake("eta1-dec", 2, eta=1, rewards=[0.75] * 12),
+            fake("stale1", 1, eta=0, rewards=[0.2] * 5)]  # shorter: steps it did not reach stay empty
+    text = bp.per_step_table(runs, steps=(4, 10), window=2)
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in text.splitlines()[2:]}
+    assert rows["sync"][2] == "0.500 ± 3.812" and rows["sync"][4] == "-"
+    assert rows["eta1-dec"][4] == "-0.050 ± 0.000 (2)" and rows["eta1-dec"][5].startswith("-0.050 ± 0.000 (2)")
+    assert rows["stale1"][2] == "0.200 (1 seed)" and rows["stale1"][3] == "-" and rows["stale1"][4] == "+0.000 (1)"
+    assert rows["stale1"][5].startswith("-")
