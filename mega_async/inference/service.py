@@ -118,6 +118,10 @@ class InferenceService:
         from mega_async.model_cards import ensure_weights
 
         n, tp, ep = server_layout(cfg)
+        if inf.router == "smg" and api_key(cfg):  # before any server starts
+            raise ConfigError(f"inference.router=smg with an API key ({inf.api_key_env}): smg takes the servers' key "
+                              "only on its command line, where every user of the host can read it; start smg "
+                              "yourself and pass inference.router_address")
         if inf.backend == "embedded" and (tp > 1 or ep > 1):
             raise ConfigError(f"parallel.allocation={cfg.parallel.allocation!r}: the embedded server runs one rank "
                               f"(t1, e1); got t{tp} e{ep}. Use inference.backend=sglang for tensor/expert-parallel servers")
@@ -158,11 +162,6 @@ class InferenceService:
         from mega_async.inference.sglang_cpu import engine_python
 
         inf = self.cfg.inference
-        if api_key(self.cfg):
-            self.close()
-            raise ConfigError(f"inference.router=smg with an API key ({inf.api_key_env}): smg takes the servers' key "
-                              "only on its command line, where every user of the host can read it; start smg "
-                              "yourself and pass inference.router_address")
         try:
             try:
                 python: Optional[str] = engine_python()

@@ -186,3 +186,13 @@ def test_a_missing_smg_names_the_fix(tmp_path, monkeypatch):
     (beside / "smg").write_text("#!/bin/sh\n")
     (beside / "smg").chmod(0o755)
     assert find_smg(None, str(beside / "python")) == str(beside / "smg")
+
+
+def test_a_run_started_router_with_an_api_key_is_refused_before_any_server_starts(tmp_path, monkeypatch):
+    from mega_async.inference.service import InferenceService
+
+    monkeypatch.setenv("MEGA_ASYNC_API_KEY", "s3cret")
+    cfg = load_config(None, [f"logging.root_dir={tmp_path}", "inference.router=smg"])
+    with pytest.raises(ConfigError, match=r"smg takes the servers' key only on its command line.*router_address"):
+        InferenceService(cfg)
+    assert not (cfg.run_dir / "server_logs").exists()  # nothing was launched
