@@ -4,6 +4,7 @@ again without it, its requests in flight finished by the other server); every wa
 after SIGCONT the next sync brings it to the current version."""
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,8 +46,11 @@ def test_a_stopped_server_is_taken_out_within_the_timeout_and_comes_back(tmp_pat
     assert bucket["error"] is None and bucket["version"] == 3 and bucket["served"]["version"] == "3"
     assert bucket["detect_s"] < TIMEOUT + 5, bucket
     assert f"server {s1} marked unhealthy: /update_weights_from_distributed: no answer within 3s" in lines
-    assert any(f"server(s) {s1} went down or hung" in x and "update: bucket 0 of stage 0" in x
-               and f"{s1}/update_weights_from_distributed gave no answer within 3s" in x for x in lines), lines
+    # the failing bucket is 0 or 1: server 1 stops as the resharder makes bucket 1, and whether its reply to bucket 0
+    # came before that depends on the load (bucket 0's post overlaps the making of bucket 1)
+    assert any(f"server(s) {s1} went down or hung" in x and re.search(r"update: bucket [01] of stage 0", x)
+               and f"{s1}/update_weights_from_distributed gave no answer within 3s" in x for x in lines), \
+        [x for x in lines if "went down or hung" in x]
     back = res["bucket_back"]
     assert back["error"] is None and back["version"] == 4 and back["healthy"] == [True, True]
     assert back["served"][0] == back["served"][1] and back["served"][0]["version"] == "4"
