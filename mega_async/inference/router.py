@@ -48,10 +48,18 @@ def find_smg(configured: Optional[str] = None, engine_python: Optional[str] = No
                       f"{' or beside ' + engine_python if engine_python else ''}; {INSTALL_HINT}")
 
 
-def router_command(smg: str, host: str, port: int, workers: Sequence[str], args: Sequence[str] = ()) -> list[str]:
+def router_command(smg: str, host: str, port: int, workers: Sequence[str], args: Sequence[str] = (),
+                   metrics_port: Optional[int] = None) -> list[str]:
+    """`smg launch` in front of `workers`. smg's Prometheus endpoint binds 0.0.0.0:29000 by default, which a second
+    router on the host cannot have and which every host of the network could read: it goes on `host` at
+    `metrics_port` (a free one) unless `args` (inference.router_args) place it."""
     urls = [w if w.startswith("http") else f"http://{w}" for w in workers]
-    return [smg, "launch", "--host", host, "--port", str(port), "--worker-urls", *urls,
-            "--log-level", "warn", *args]
+    cmd = [smg, "launch", "--host", host, "--port", str(port), "--worker-urls", *urls, "--log-level", "warn"]
+    if not any(a == "--prometheus-port" or a.startswith("--prometheus-port=") for a in args):
+        cmd += ["--prometheus-port", str(metrics_port if metrics_port is not None else free_port(host))]
+    if not any(a == "--prometheus-host" or a.startswith("--prometheus-host=") for a in args):
+        cmd += ["--prometheus-host", host]
+    return cmd + list(args)
 
 
 def readiness(address: str, timeout: float = 2.0) -> Optional[dict]:
@@ -81,6 +89,7 @@ class RouterLauncher:
         self.startup_timeout = startup_timeout
         self.proc: Optional[subprocess.Popen] = None
         self.address: Optional[str] = None
+        self.metrics_port: Optional[int] = None  # its Prometheus endpoint (kept across restarts)
 
     def start(self) -> str:
         self.address = f"{self.host}:{free_port(self.host)}"
@@ -96,7 +105,10 @@ class RouterLauncher:
         from mega_async.inference.servers import _die_with_parent
 
         assert self.address is not None
-        cmd = router_command(self.smg, self.host, int(self.address.rsplit(":", 1)[1]), self.workers, self.args)
+        if self.metrics_port is None:
+            self.metrics_port = free_port(self.host)
+        cmd = router_command(self.smg, self.host, int(self.address.rsplit(":", 1)[1]), self.workers, self.args,
+                             self.metrics_port)
         logger.info("starting router: %s", " ".join(cmd))
         log = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         try:
