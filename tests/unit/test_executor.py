@@ -160,7 +160,10 @@ def test_solved_task_does_not_stall_the_batch():
     with make(B=2, eta=1, should_accept=flt) as ex:
         items = [{"id": i, "rewards": [1.0, 1.0]} for i in range(4)]  # re-iterated as epochs
         out = ex.prepare_batch(items)
-        assert len(out) == 2 and flt.forced == 2 and flt.dropped >= 10
+        # both trained groups were forced through; groups still in flight (eta 1 admits up to 4) may have been
+        # judged, and forced, before this line: a third or fourth is held for the next batch, never lost
+        assert len(out) == 2 and 2 <= flt.forced <= 4 and flt.dropped >= 10, (flt.forced, flt.dropped)
+        assert all(g["rewards"] == [1.0, 1.0] for g in out)
 
 
 def test_runner_pause_blocks_admission():
