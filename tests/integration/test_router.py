@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.comm import free_port
 from mega_async.config import load_config
 from mega_async.inference import sglang_cpu
-from mega_async.inference.router import router_command
+from mega_async.inference.router import RouterLauncher
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.model_cards import ensure_weights
 from mega_async.types import ModelRequest, WeightVersion
@@ -50,28 +49,12 @@ def fleet(tmp_path_factory):
                       extra_args=["--enable-return-routed-experts"])
     with ServerLauncher(real, log_dir=str(logs / "real"), startup_timeout=400) as servers:
         workers = servers.addresses
-        port = free_port()
-        with open(logs / "smg.log", "w") as log:
-            # smg's metrics port: a free one on loopback (its default, 0.0.0.0:29000, is one per host)
-            proc = subprocess.Popen(router_command(str(smg_path()), "127.0.0.1", port, workers,
-                                                   ["--enable-rl", "--policy", "round_robin"]),
-                                    stdout=log, stderr=subprocess.STDOUT)
+        router = RouterLauncher(str(smg_path()), workers, args=["--enable-rl", "--policy", "round_robin"],
+                                log_path=logs / "smg.log", startup_timeout=60)
         try:
-            router = f"127.0.0.1:{port}"
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    if all(w["health"] == "ready" for w in get(router, "/v1/rl/workers")[1]["workers"]) \
-                            and len(get(router, "/v1/rl/workers")[1]["workers"]) == 2:
-                        break
-                except Exception:  # noqa: BLE001 - not listening yet
-                    pass
-                assert proc.poll() is None and time.monotonic() < deadline, (logs / "smg.log").read_text()[-2000:]
-                time.sleep(0.3)
-            yield router, workers
+            yield router.start(), workers  # ready: smg reports both workers healthy
         finally:
-            proc.terminate()
-            proc.wait(10)
+            router.stop()
 
 
 def fanout(router: str, route: str, body: dict) -> dict:
