@@ -24,6 +24,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+PORT_ATTEMPTS = 3  # a process started at a free_port() that another process took meanwhile: tries with a new one
+
+
+def lost_the_port(log: str) -> bool:
+    """A process's output says its listening port was taken (free_port() leaves a window until the process binds
+    it, in which another process's listener or outgoing connection can take it)."""
+    low = log.lower()
+    return "address already in use" in low or "errno 98]" in low or "eaddrinuse" in low
+
+
 def is_loopback(host: Optional[str]) -> bool:
     return host in (None, "", "localhost", "::1") or str(host).startswith("127.")
 

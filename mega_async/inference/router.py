@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import free_port
+from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port
 from mega_async.config import ConfigError
 
 logger = logging.getLogger("mega_async.inference.router")
@@ -78,6 +78,10 @@ def readiness(address: str, timeout: float = 2.0) -> Optional[dict]:
         return None
 
 
+class _PortTaken(RuntimeError):
+    """The router's process ended because its port was taken before it bound it."""
+
+
 class RouterLauncher:
     """Starts smg in front of `workers`, waits until it reports every worker healthy, stops it (its process group)
     at the end; the process dies with the run (PR_SET_PDEATHSIG) and is never left behind."""
@@ -90,12 +94,22 @@ class RouterLauncher:
         self.proc: Optional[subprocess.Popen] = None
         self.address: Optional[str] = None
         self.metrics_port: Optional[int] = None  # its Prometheus endpoint (kept across restarts)
+        self._log_start = 0  # where its log stood when its process was started
 
     def start(self) -> str:
         self.address = f"{self.host}:{free_port(self.host)}"
-        self._spawn()
         try:
-            self._wait_ready()
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                self._spawn()
+                try:
+                    self._wait_ready()
+                    break
+                except _PortTaken as e:
+                    if attempt == PORT_ATTEMPTS:
+                        raise RuntimeError(str(e)) from None
+                    old, self.address, self.metrics_port = self.address, f"{self.host}:{free_port(self.host)}", None
+                    logger.warning("the router could not listen at %s or its metrics port (another process took "
+                                   "it before it bound); starting it at %s", old, self.address)
         except BaseException:
             self.stop()
             raise
@@ -110,6 +124,10 @@ class RouterLauncher:
         cmd = router_command(self.smg, self.host, int(self.address.rsplit(":", 1)[1]), self.workers, self.args,
                              self.metrics_port)
         logger.info("starting router: %s", " ".join(cmd))
+        try:
+            self._log_start = self.log_path.stat().st_size if self.log_path else 0
+        except OSError:
+            self._log_start = 0
         log = self.log_path.open("ab") if self.log_path else subprocess.DEVNULL
         try:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -136,7 +154,8 @@ class RouterLauncher:
             assert self.proc is not None and self.address is not None
             rc = self.proc.poll()
             if rc is not None:
-                raise RuntimeError(f"router (smg) exited with code {rc} before it was ready; last log lines "
+                error = _PortTaken if lost_the_port(self._log_since_start()) else RuntimeError
+                raise error(f"router (smg) exited with code {rc} before it was ready; last log lines "
                                    f"({self.log_path}):\n{self.log_tail()}")
             last = readiness(self.address)
             if last and last.get("healthy_workers") == len(self.workers):
@@ -144,6 +163,16 @@ class RouterLauncher:
             time.sleep(0.2)
         raise TimeoutError(f"router (smg) at {self.address} not ready after {self.startup_timeout:.0f} s (last "
                            f"/readiness {last}); log: {self.log_path}\n{self.log_tail()}")
+
+    def _log_since_start(self) -> str:
+        if not self.log_path:
+            return ""
+        try:
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_start)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 20) -> str:
         try:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import free_port
+from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port
 from mega_async.inference import sglang_cpu
 from mega_async.inference.sglang_cpu import engine_python
 
@@ -157,6 +157,10 @@ def server_env(spec: ServerSpec) -> dict[str, str]:
     return env
 
 
+class _PortTaken(RuntimeError):
+    """A server process ended because its port was taken before it bound it."""
+
+
 class ServerLauncher:
     def __init__(self, spec: ServerSpec, log_dir: Optional[str] = None, startup_timeout: float = 300.0):
         if spec.num_servers < 1:
@@ -173,6 +177,7 @@ class ServerLauncher:
         self._stopping = False  # set by stop(): no restart after it (a restart then would be an orphan)
         self._restart_lock = threading.Lock()
         self._logs: list[Path] = []
+        self._log_starts: dict[int, int] = {}  # where each server's log stood when its process was started
 
     @staticmethod
     def _check_sglang(spec: ServerSpec) -> ServerSpec:
@@ -209,7 +214,19 @@ class ServerLauncher:
                 self.addresses.append(f"{self.spec.host}:{port}")
                 self.procs.append(self._spawn(i, "ab"))  # a resume keeps the crashed run's logs
             for i in range(len(self.procs)):
-                self._wait_healthy(i)
+                for attempt in range(1, PORT_ATTEMPTS + 1):
+                    try:
+                        self._wait_healthy(i)
+                        break
+                    except _PortTaken as e:
+                        if attempt == PORT_ATTEMPTS:
+                            raise RuntimeError(str(e)) from None
+                        old = self.addresses[i]
+                        self.addresses[i] = f"{self.spec.host}:{free_port(self.spec.host)}"
+                        logger.warning("server %d could not listen at %s (another process took the port before it "
+                                       "bound); starting it at %s", i, old, self.addresses[i])
+                        self._kill_group(i)
+                        self.procs[i] = self._spawn(i, "ab")
         except BaseException:
             self.stop()
             raise
@@ -217,6 +234,10 @@ class ServerLauncher:
 
     def _spawn(self, i: int, mode: str) -> subprocess.Popen:
         port = int(self.addresses[i].rsplit(":", 1)[1])
+        try:
+            self._log_starts[i] = self._logs[i].stat().st_size
+        except OSError:
+            self._log_starts[i] = 0
         cmd = server_command(self.spec, port, i)
         logger.info("starting server %d: %s", i, " ".join(cmd))
         env = server_env(self.spec)
@@ -238,9 +259,12 @@ class ServerLauncher:
                 raise RuntimeError("the servers are being stopped")
             if self.procs[i].poll() is None:
                 raise RuntimeError(f"server {i} is still running")
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # what it left (e.g. SGLang's
-                os.killpg(self.procs[i].pid, signal.SIGKILL)                 # scheduler processes) holds its GPUs
+            self._kill_group(i)  # what it left (e.g. SGLang's scheduler processes) holds its GPUs
             self.procs[i] = self._spawn(i, "ab")
+
+    def _kill_group(self, i: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.procs[i].pid, signal.SIGKILL)
 
     def _wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
@@ -248,8 +272,9 @@ class ServerLauncher:
         while time.monotonic() < deadline:
             rc = self.procs[i].poll()
             if rc is not None:
-                raise RuntimeError(f"server {i} exited with code {rc} before becoming healthy; "
-                                   f"last log lines ({self._logs[i]}):\n{self.log_tail(i)}")
+                error = _PortTaken if lost_the_port(self._log_since_start(i)) else RuntimeError
+                raise error(f"server {i} exited with code {rc} before becoming healthy; "
+                            f"last log lines ({self._logs[i]}):\n{self.log_tail(i)}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
@@ -266,6 +291,14 @@ class ServerLauncher:
 
     def log_path(self, i: int) -> Path:
         return self._logs[i]
+
+    def _log_since_start(self, i: int) -> str:
+        try:
+            with self._logs[i].open("rb") as f:
+                f.seek(self._log_starts.get(i, 0))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self, i: int, n: int = 20) -> str:
         try:

@@ -48,9 +48,15 @@ def init_distributed(backend: Optional[str] = None) -> None:
         raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are unset: launch with torchrun")
     # a plain process: a private 1-rank group; the environment is left untouched, so child processes
     # (servers, converters) never inherit a port that this process holds
-    from mega_async.comm import free_port
+    from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port
 
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        try:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            return
+        except RuntimeError as e:  # the port was taken between free_port() and the store's bind: another one
+            if attempt == PORT_ATTEMPTS or not lost_the_port(str(e)):
+                raise
 
 
 def control_group(timeout_s: float = 24 * 3600.0) -> Any:

@@ -1,7 +1,10 @@
 """Failure semantics of the rollout layer against real servers: every path stops with one clear error,
 within a bound, instead of resubmitting without end."""
 import asyncio
+import logging
+import socket
 import threading
+import urllib.request
 import time
 
 import pytest
@@ -76,6 +79,60 @@ def test_no_server_error_says_why_each_server_is_out():
                                                r"fails too\)\)\); check the servers' logs"):
             ex.prepare_batch(ITEMS)
     assert client.servers[0].dropped is None
+
+
+def held_ports(monkeypatch, module, n):
+    """Listening sockets on n free ports that `module.free_port` hands out first (then real free ports): a port
+    another process took between free_port() and the launched process's bind."""
+    held = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        held.append(s)
+    given = iter([s.getsockname()[1] for s in held])
+    real = module.free_port
+    monkeypatch.setattr(module, "free_port", lambda host="127.0.0.1": next(given, None) or real(host))
+    return held
+
+
+def test_a_server_whose_port_is_taken_before_it_binds_is_started_at_another(weights_root, tmp_path, monkeypatch,
+                                                                              caplog):
+    import mega_async.inference.servers as servers
+
+    held = held_ports(monkeypatch, servers, 1)
+    taken = f"127.0.0.1:{held[0].getsockname()[1]}"
+    spec = ServerSpec("embedded", str(weights_root / "v0"), weights_root=str(weights_root), num_threads=1)
+    try:
+        with caplog.at_level(logging.WARNING, "mega_async"):
+            with ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120) as launcher:
+                assert launcher.addresses[0] != taken
+                with urllib.request.urlopen(f"http://{launcher.addresses[0]}/health", timeout=10) as r:
+                    assert r.status == 200
+                log = launcher.log_path(0).read_text()
+        assert log.count("Address already in use") == 1, log  # the first port lost, the second one served
+        said = [r.getMessage() for r in caplog.records if "could not listen" in r.getMessage()]
+        assert len(said) == 1 and taken in said[0] and launcher.addresses[0] in said[0], said
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_a_server_that_loses_every_port_fails_with_its_log(weights_root, tmp_path, monkeypatch):
+    import mega_async.inference.servers as servers
+
+    monkeypatch.setattr(servers, "PORT_ATTEMPTS", 1)  # the tries are bounded: the last one's failure is the error
+    held = held_ports(monkeypatch, servers, 1)
+    spec = ServerSpec("embedded", str(weights_root / "v0"), weights_root=str(weights_root), num_threads=1)
+    launcher = ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120)
+    try:
+        with pytest.raises(RuntimeError, match=r"(?s)server 0 exited with code 1 before becoming healthy.*"
+                                               r"Address already in use"):
+            launcher.start()
+        assert all(p.poll() is not None for p in launcher.procs)
+    finally:
+        for s in held:
+            s.close()
 
 
 @pytest.mark.slow  # starts a server

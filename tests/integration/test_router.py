@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -100,6 +101,28 @@ def test_rl_fanout_pauses_updates_and_continues_both_workers(fleet):
         assert get(w, "/model_info")[1]["weight_version"] == "9"
     status, out = post(router, "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and out["meta_info"]["weight_version"] == "9"  # continued: both generate again
+
+
+def test_a_router_whose_port_is_taken_before_it_binds_is_started_at_another(fleet, tmp_path, monkeypatch):
+    import mega_async.inference.router as router_module
+
+    _, workers = fleet
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    given = iter([held.getsockname()[1]])
+    real = router_module.free_port
+    monkeypatch.setattr(router_module, "free_port", lambda host="127.0.0.1": next(given, None) or real(host))
+    router = RouterLauncher(str(smg_path()), workers, log_path=tmp_path / "smg.log", startup_timeout=60)
+    try:
+        address = router.start()
+        assert address != f"127.0.0.1:{held.getsockname()[1]}"
+        assert get(address, "/readiness")[0] == 200
+        log = (tmp_path / "smg.log").read_text()  # one start lost the port, the next one serves
+        assert log.count("Error starting router") == 1 and "Address already in use" in log, log[-2000:]
+    finally:
+        router.stop()
+        held.close()
 
 
 def test_a_run_generates_through_the_router_with_control_and_weights_straight_to_the_workers(fleet, tmp_path):
