@@ -31,7 +31,8 @@ def lost_the_port(log: str) -> bool:
     """A process's output says its listening port was taken (free_port() leaves a window until the process binds
     it, in which another process's listener or outgoing connection can take it)."""
     low = log.lower()
-    return "address already in use" in low or "errno 98]" in low or "eaddrinuse" in low
+    return any(m in low for m in ("address already in use", "errno 98]", "eaddrinuse",
+                                  "port is already in use"))  # SGLang's check of the ports it derives from --port
 
 
 def is_loopback(host: Optional[str]) -> bool:

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
      True),  # smg
     ("[Errno 98] error while attempting to bind on address ('127.0.0.1', 30000): address already in use", True),
     ("port: 48395, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use", True),  # TCPStore
+    ("ERROR Port is already in use. dist_init_port=39000 port_base=39001 detokenizer_port=39002", True),  # SGLang
     ("OSError: [Errno 99] Cannot assign requested address", False),
     ("RuntimeError: model weights not found", False),
 ])
