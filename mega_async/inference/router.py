@@ -156,7 +156,7 @@ class RouterLauncher:
             if rc is not None:
                 error = _PortTaken if lost_the_port(self._log_since_start()) else RuntimeError
                 raise error(f"router (smg) exited with code {rc} before it was ready; last log lines "
-                                   f"({self.log_path}):\n{self.log_tail()}")
+                            f"({self.log_path}):\n{self.log_tail()}")
             last = readiness(self.address)
             if last and last.get("healthy_workers") == len(self.workers):
                 return
