@@ -13,6 +13,7 @@ import datetime
 import inspect
 import os
 import socket
+from pathlib import Path
 from typing import Any, Optional
 from urllib.parse import urlparse
 
@@ -33,6 +34,18 @@ def lost_the_port(log: str) -> bool:
     low = log.lower()
     return any(m in low for m in ("address already in use", "errno 98]", "eaddrinuse",
                                   "port is already in use"))  # SGLang's check of the ports it derives from --port
+
+
+def output_since(path: Optional[Path], offset: int) -> str:
+    """What a process wrote to its log `path` after `offset` (its size when the process started); "" without one."""
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def is_loopback(host: Optional[str]) -> bool:

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port
+from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since
 from mega_async.config import ConfigError
 
 logger = logging.getLogger("mega_async.inference.router")
@@ -154,7 +154,7 @@ class RouterLauncher:
             assert self.proc is not None and self.address is not None
             rc = self.proc.poll()
             if rc is not None:
-                error = _PortTaken if lost_the_port(self._log_since_start()) else RuntimeError
+                error = _PortTaken if lost_the_port(output_since(self.log_path, self._log_start)) else RuntimeError
                 raise error(f"router (smg) exited with code {rc} before it was ready; last log lines "
                             f"({self.log_path}):\n{self.log_tail()}")
             last = readiness(self.address)
@@ -163,16 +163,6 @@ class RouterLauncher:
             time.sleep(0.2)
         raise TimeoutError(f"router (smg) at {self.address} not ready after {self.startup_timeout:.0f} s (last "
                            f"/readiness {last}); log: {self.log_path}\n{self.log_tail()}")
-
-    def _log_since_start(self) -> str:
-        if not self.log_path:
-            return ""
-        try:
-            with self.log_path.open("rb") as f:
-                f.seek(self._log_start)
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def log_tail(self, n: int = 20) -> str:
         try:

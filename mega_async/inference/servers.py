@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port
+from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since
 from mega_async.inference import sglang_cpu
 from mega_async.inference.sglang_cpu import engine_python
 
@@ -272,7 +272,7 @@ class ServerLauncher:
         while time.monotonic() < deadline:
             rc = self.procs[i].poll()
             if rc is not None:
-                error = _PortTaken if lost_the_port(self._log_since_start(i)) else RuntimeError
+                error = _PortTaken if lost_the_port(output_since(self._logs[i], self._log_starts.get(i, 0))) else RuntimeError
                 raise error(f"server {i} exited with code {rc} before becoming healthy; "
                             f"last log lines ({self._logs[i]}):\n{self.log_tail(i)}")
             try:
@@ -291,14 +291,6 @@ class ServerLauncher:
 
     def log_path(self, i: int) -> Path:
         return self._logs[i]
-
-    def _log_since_start(self, i: int) -> str:
-        try:
-            with self._logs[i].open("rb") as f:
-                f.seek(self._log_starts.get(i, 0))
-                return f.read().decode(errors="replace")
-        except OSError:
-            return ""
 
     def log_tail(self, i: int, n: int = 20) -> str:
         try:
