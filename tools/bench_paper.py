@@ -6,6 +6,8 @@ the root-cause controls of issue 35; and the long-tail sweep (--sweep longtail: 
     python tools/bench_paper.py --variants 'sync,eta1-dec,stale*,*-lr4,*-mb1'   # the controls (issue 35 item 1)
     python tools/bench_paper.py --sweep longtail                         # countdown: sync vs eta 1-8 (item 3)
     python tools/bench_paper.py --sweep longtail --dry-run               # what it would run, nothing run
+    python tools/bench_paper.py --sweep longtail --until 21:15           # stop between runs, before 21:15
+    python tools/bench_paper.py --sweep longtail-sglang                  # item 4: the real engine, sync vs best eta
     python tools/bench_paper.py --from-results benchmarks/paper          # figures and table again, no runs
 
 First the SFT model (`mega-async sft -c configs/addition_sft_cpu.yaml`, once: skipped when its final_hf/
@@ -35,10 +37,12 @@ from older versions) for curves and time to target; the final weights' exact mat
 from __future__ import annotations
 
 import argparse
+import datetime
 import fnmatch
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -105,11 +109,31 @@ SWEEPS = {  # name -> the defaults of its arguments (each may be overridden on t
                  "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail",
                  "runs_dir": "runs/bench_longtail_runs", "steps": 150, "target": 0.5,
                  "variants": "sync,eta1-dec,eta2-dec,eta4-dec,eta8-dec,eta4-ppo,eta8-ppo"},
+    # item 4: the long-tail headline on the real SGLang engine (its CPU build: tools/install_sglang_cpu.sh), sync
+    # against the eta of the long-tail sweep that reached sync's final reward soonest (best_eta), 3 seeds
+    "longtail-sglang": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
+                        "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail_sglang",
+                        "runs_dir": "runs/bench_longtail_sglang_runs", "steps": 150, "target": 0.5,
+                        "variants": None, "seeds": "1,2,3", "engine": ["inference.backend=sglang"],
+                        "best_from": "benchmarks/longtail"},
 }
+SWEEP_ARGS = ("config", "sft_config", "sft_dir", "out", "runs_dir", "steps", "target", "variants", "seeds")
 
 
 def sweep_variants(sweep_name: str) -> list[dict[str, Any]]:
-    return longtail_variants() if sweep_name == "longtail" else all_variants()
+    return longtail_variants() if sweep_name.startswith("longtail") else all_variants()
+
+
+def real_engine_variants(best_from: Path) -> str:
+    """longtail-sglang's default --variants: sync and the decoupled eta that reached sync's final reward soonest in
+    the long-tail sweep on the embedded server (its results under `best_from`)."""
+    eta = best_eta(load_results(best_from)[0])
+    if eta is None:
+        raise SystemExit(f"bench_paper: --sweep longtail-sglang runs sync against the best eta of the long-tail sweep, "
+                         f"and {best_from} has no finished asynchronous run with its sync runs yet: run --sweep longtail first, "
+                         "or pass --variants "
+                         "sync,eta2-dec")
+    return f"sync,eta{eta}-dec"
 
 
 def variant_order() -> dict[str, int]:
@@ -321,27 +345,57 @@ def ensure_sft(a: argparse.Namespace) -> tuple[Path, dict]:
 
 
 # ---- the sweep ----------------------------------------------------------------------------------------
+def until(text: str, now: Optional[float] = None) -> float:
+    """The deadline `--until` names, as a time.time() value: HH:MM on the local clock (its next occurrence), or a
+    duration from now (90m, 2h30m, 5400s, 1h)."""
+    now = time.time() if now is None else now
+    t = text.strip().lower()
+    if m := re.fullmatch(r"([01]?\d|2[0-3]):([0-5]\d)", t):
+        base = datetime.datetime.fromtimestamp(now)
+        at = base.replace(hour=int(m[1]), minute=int(m[2]), second=0, microsecond=0)
+        if at.timestamp() <= now:
+            at += datetime.timedelta(days=1)
+        return at.timestamp()
+    if t and (m := re.fullmatch(r"(?:(\d+)h)?(?:(\d+)m)?(?:(\d+)s)?", t)) and any(m.groups()):
+        h, mi, sec = (int(x or 0) for x in m.groups())
+        return now + 3600 * h + 60 * mi + sec
+    raise SystemExit(f"bench_paper: --until {text!r} is neither a clock time (21:15) nor a duration (90m, 2h30m, "
+                     "5400s)")
+
+
 def raw_path(out: Path, name: str, seed: int) -> Path:
     return out / "raw" / f"{name}_s{seed}.json"
 
 
-def sweep(variants: list[dict], seeds: Sequence[int], out: Path,
-          runner: Callable[[dict, int], dict[str, Any]]) -> tuple[list[dict], list[str]]:
+def sweep(variants: list[dict], seeds: Sequence[int], out: Path, runner: Callable[[dict, int], dict[str, Any]],
+          deadline: Optional[float] = None, clock: Callable[[], float] = time.time
+          ) -> tuple[list[dict], list[str], list[str]]:
     """Every (variant, seed) whose raw result is missing, seeds outermost (a drift in machine load hits every
-    variant alike); returns (all results found or made, failures). Each result is written as it finishes."""
-    results, failed = [], []
+    variant alike); returns (all results found or made, failures, runs not started). Each result is written as it
+    finishes. With a `deadline` (a `clock()` time), no run starts that would end after it, judged by the longest
+    run this sweep made so far (by the recorded runs' process_s before the first): a sweep spread over several
+    sittings stops between runs, losing none."""
+    results, failed, skipped = [], [], []
+    took: list[float] = []
     for seed in seeds:
         for v in variants:
             p = raw_path(out, v["name"], seed)
             if p.exists():
                 results.append(json.loads(p.read_text()))
                 continue
+            expect = max(took) if took else max((float(r.get("process_s") or 0.0) for r in results), default=0.0)
+            if skipped or (deadline is not None and clock() + expect > deadline):
+                skipped.append(f"{v['name']}_s{seed}")
+                continue
+            t0 = clock()
             try:
                 r = runner(v, seed)
             except (RuntimeError, subprocess.SubprocessError) as e:
                 print(f"{v['name']} seed {seed}: FAILED: {e}", flush=True)
                 failed.append(f"{v['name']}_s{seed}: {e}")
                 continue
+            finally:
+                took.append(clock() - t0)
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(r) + "\n")
@@ -351,7 +405,10 @@ def sweep(variants: list[dict], seeds: Sequence[int], out: Path,
             print(f"{v['name']} seed {seed}: wall {r['wall_s']:.0f}s, final reward {r['reward_final']:.3f}, "
                   f"held-out greedy {fe.get('greedy', float('nan')):.3f}, time to target {r['time_to_target_s']}",
                   flush=True)
-    return results, failed
+    if skipped:
+        print(f"bench_paper: the deadline stops the sweep before {skipped[0]}; {len(skipped)} runs not started "
+              "(run the same command again to continue)", flush=True)
+    return results, failed, skipped
 
 
 def load_results(path: Path) -> tuple[list[dict], dict]:
@@ -667,7 +724,8 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
     (out / "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}) + "\n")
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     sft = meta.get("sft_eval")
-    task = "countdown task (long tail)" if meta.get("sweep") == "longtail" else "addition task"
+    task = {"longtail": "countdown task (long tail)", "longtail-sglang": "countdown task (long tail), real SGLang "
+            "engine (CPU)"}.get(meta.get("sweep"), "addition task")
     order = sorted({r["name"] for r in runs}, key=lambda n: (variant_order().get(n, 10**6), n))
     hl = headline_table(headline(runs), order)
     head = (f"# Table 2 ({task}): mean ± 95% Student-t half-width over seeds\n\n"
@@ -692,7 +750,8 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", choices=sorted(SWEEPS), default="paper",
-                    help="paper: the addition task (Table 2, the controls); longtail: the countdown task")
+                    help="paper: the addition task (Table 2, the controls); longtail: the countdown task; "
+                         "longtail-sglang: its headline on the real SGLang engine (sync vs the best eta, 3 seeds)")
     ap.add_argument("--config", "-c", default=None, help="the RL config (default: the sweep's)")
     ap.add_argument("--sft-config", default=None)
     ap.add_argument("--sft-dir", default=None, help="the SFT run (trained first if absent)")
@@ -701,7 +760,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print every run's command line and exit; nothing runs")
     ap.add_argument("--nointr-eta", type=int, default=None,
                     help="longtail: the eta of the interrupt=none run (default: the best eta, from the results)")
-    ap.add_argument("--seeds", default="1,2,3,4,5")
+    ap.add_argument("--seeds", default=None, help="comma-separated (default: the sweep's: 1-5, longtail-sglang 1-3)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--target", type=float, default=None, help="reward for time-to-target (3-step mean)")
     ap.add_argument("--out", default=None)
@@ -710,11 +769,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--diagnose", action="store_true", help="with --from-results DIR: add the objective's diagnostics "
                                                             "to raw results from their runs under --runs-dir first")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for one run")
+    ap.add_argument("--until", default=None, help="start no run that would end after this time (HH:MM, local clock, "
+                                                  "next occurrence) or this long from now (90m, 2h30m, 5400s); "
+                                                  "the same command later continues")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     a = ap.parse_args(argv)
-    for k, v in SWEEPS[a.sweep].items():
+    defaults = SWEEPS[a.sweep]
+    for k in SWEEP_ARGS:
         if getattr(a, k) is None:
-            setattr(a, k, v)
+            setattr(a, k, defaults.get(k))
+    a.seeds = a.seeds or "1,2,3,4,5"
+    a.overrides = [*defaults.get("engine", []), *a.overrides]  # the engine first: the command line may override
+    if a.variants is None and defaults.get("best_from") and not a.from_results:
+        a.variants = real_engine_variants(ROOT / defaults["best_from"])
     out = Path(a.out)
     if a.from_results:
         if a.diagnose:
@@ -743,25 +810,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if nointr:
             print(f"# then eta{{E}}-dec-nointr for every seed, E = {a.nointr_eta or 'the best eta from the results'}")
         return 0
+    deadline = until(a.until) if a.until else None
+    if defaults.get("engine"):  # the real engine's environment, once, before any run (not one failure per run)
+        from mega_async.inference.sglang_cpu import engine_python
+
+        try:
+            engine_python()
+        except FileNotFoundError as e:
+            raise SystemExit(f"bench_paper: {e}") from None
     sft_dir, sft_eval = ensure_sft(a)
     meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
             "overrides": a.overrides, "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
             "sft_eval": sft_eval, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _, failed = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir))
-    if nointr:  # interrupt=none at the eta that reached sync's final reward soonest
+    _, failed, skipped = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
+    if nointr and not skipped:  # interrupt=none at the eta that reached sync's final reward soonest
         eta = a.nointr_eta or best_eta(load_results(out)[0])
         if eta is not None:
             extra = pick(universe, f"eta{eta}-dec-nointr")
             variants += extra
-            failed += sweep(extra, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir))[1]
+            _, more, skipped = sweep(extra, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
+            failed += more
     runs, before = load_results(out)  # everything recorded so far, this sweep's and earlier ones
     if not runs:
         print(f"bench_paper: no run finished ({len(failed)} failed); nothing to draw", file=sys.stderr)
         return 1
-    meta.update(load_after=os.getloadavg(), failed=failed, variants=[v["name"] for v in variants],
+    meta.update(load_after=os.getloadavg(), failed=failed, not_started=skipped, variants=[v["name"] for v in variants],
                 finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     meta["sweeps"] = before.get("sweeps", []) + [{k: meta[k] for k in (
-        "started", "finished", "variants", "seeds", "steps", "overrides", "load_before", "load_after", "failed")}]
+        "started", "finished", "variants", "seeds", "steps", "overrides", "load_before", "load_after", "failed",
+        "not_started")}]
     print(write_outputs(runs, out, meta))
     return 1 if failed else 0
 

@@ -89,7 +89,7 @@ def test_sweep_resumes_a_half_done_sweep(tmp_path):
             raise RuntimeError("run eta4-dec_s2 failed (exit 1): boom")
         return fake(v["name"], seed, eta=v["eta"])
 
-    results, failed = bp.sweep(variants, [1, 2], tmp_path, runner)
+    results, failed, skipped = bp.sweep(variants, [1, 2], tmp_path, runner)
     assert calls == [("eta4-dec", 1), ("sync", 2), ("eta4-dec", 2)]
     assert len(results) == 3 and failed == ["eta4-dec_s2: run eta4-dec_s2 failed (exit 1): boom"]
     assert not (tmp_path / "raw" / "eta4-dec_s2.json").exists()
@@ -99,10 +99,44 @@ def test_sweep_resumes_a_half_done_sweep(tmp_path):
         calls.append((v["name"], seed))
         return fake(v["name"], seed, eta=v["eta"])
 
-    results, failed = bp.sweep(variants, [1, 2], tmp_path, again)
-    assert calls == [("eta4-dec", 2)] and not failed and len(results) == 4
+    results, failed, skipped = bp.sweep(variants, [1, 2], tmp_path, again)
+    assert calls == [("eta4-dec", 2)] and not failed and not skipped and len(results) == 4
     assert sorted(p.name for p in (tmp_path / "raw").iterdir()) == [
         "eta4-dec_s1.json", "eta4-dec_s2.json", "sync_s1.json", "sync_s2.json"]
+
+
+def test_a_deadline_stops_the_sweep_between_runs(tmp_path):
+    """--until: no run starts that would end after the deadline (judged by the longest run so far, or the recorded
+    ones' process_s before the first); what was not started is named, and the next sitting makes it."""
+    variants = bp.pick(bp.all_variants(), "sync,eta4-dec")
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "sync_s1.json").write_text(json.dumps({**fake("sync", 1, eta=0), "process_s": 40.0}))
+    now, calls = [1000.0], []
+
+    def runner(v, seed):
+        calls.append((v["name"], seed))
+        now[0] += 50.0  # each run takes 50 s
+        return fake(v["name"], seed, eta=v["eta"])
+
+    results, failed, skipped = bp.sweep(variants, [1, 2], tmp_path, runner, deadline=1095.0, clock=lambda: now[0])
+    # eta4-dec_s1 starts (1000 + 40 recorded <= 1095), sync_s2 does not (1050 + 50 > 1095), nor anything after it
+    assert calls == [("eta4-dec", 1)] and not failed and skipped == ["sync_s2", "eta4-dec_s2"]
+    assert len(results) == 2 and not (tmp_path / "raw" / "sync_s2.json").exists()
+    results, failed, skipped = bp.sweep(variants, [1, 2], tmp_path, runner, deadline=None, clock=lambda: now[0])
+    assert calls[1:] == [("sync", 2), ("eta4-dec", 2)] and not skipped and len(results) == 4
+
+
+def test_until_reads_a_clock_time_or_a_duration():
+    import datetime
+
+    now = datetime.datetime(2026, 12, 5, 20, 0).timestamp()
+    assert bp.until("21:15", now) - now == 75 * 60
+    assert bp.until("19:30", now) - now == (23 * 60 + 30) * 60  # already past today: tomorrow's
+    assert bp.until("90m", now) - now == 5400 and bp.until("2h30m", now) - now == 9000
+    assert bp.until("5400s", now) - now == 5400 and bp.until("1h", now) - now == 3600
+    for bad in ("", "soon", "25:00", "12:5", "-5m", "m"):
+        with pytest.raises(SystemExit, match="neither a clock time"):
+            bp.until(bad, now)
 
 
 def recorded():
@@ -204,6 +238,33 @@ def test_dry_run_prints_every_run_and_runs_nothing(tmp_path, capsys):
     assert bp.main(["--variants", "stale1-lr4", "--dry-run", "--seeds", "3"]) == 0
     cmd = capsys.readouterr().out.splitlines()[-1]
     assert "rollout.stale_batches=1" in cmd and "trainer.lr=5e-05" in cmd  # a quarter of configs/addition_rl_cpu's
+
+
+def test_the_real_engine_headline_runs_sync_against_the_best_eta(tmp_path, capsys, monkeypatch):
+    """--sweep longtail-sglang (item 4): sync and the long-tail sweep's best decoupled eta, 3 seeds, every run on
+    the real engine (inference.backend=sglang, overridable); without async results it names what to run first."""
+    best = tmp_path / "longtail"
+    with pytest.raises(SystemExit, match="run --sweep longtail first"):
+        bp.real_engine_variants(best)
+    (best / "raw").mkdir(parents=True)
+    for seed in (1, 2):
+        for name, eta, rewards in (("sync", 0, (0.2, 0.4, 0.6, 0.6, 0.6, 0.6, 0.6)),
+                                   ("eta2-dec", 2, (0.2, 0.3, 0.4, 0.6, 0.6, 0.6, 0.6)),
+                                   ("eta4-dec", 4, (0.2, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6))):
+            r = fake(name, seed, eta=eta, rewards=rewards, wall=7.0)
+            r["reward_final"] = 0.6
+            (best / "raw" / f"{name}_s{seed}.json").write_text(json.dumps(r))
+    assert bp.real_engine_variants(best) == "sync,eta4-dec"  # eta 4 reaches 0.6 first
+    monkeypatch.setitem(bp.SWEEPS["longtail-sglang"], "best_from", str(best))
+    assert bp.main(["--sweep", "longtail-sglang", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    cmds = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
+    assert [c.split("trial_name=")[1].split()[0] for c in cmds] == ["sync_s1", "eta4-dec_s1", "sync_s2",
+                                                                     "eta4-dec_s2", "sync_s3", "eta4-dec_s3"]
+    assert all(c.endswith("inference.backend=sglang") and "bench_longtail_sglang_runs" in c for c in cmds)
+    assert bp.main(["--sweep", "longtail-sglang", "--dry-run", "--variants", "sync", "--seeds", "1",
+                    "inference.backend=embedded"]) == 0
+    cmd = capsys.readouterr().out.splitlines()[-1]
+    assert cmd.endswith("inference.backend=sglang inference.backend=embedded")  # the last one wins
 
 
 def with_phases(r, wait, train, busy):
