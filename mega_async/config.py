@@ -279,6 +279,9 @@ class TrainerConfig:
     ppo_n_minibatches: int = 1
     save_interval: int = 0  # steps between checkpoints (<run_dir>/checkpoints/step_<N>); 0 = only at the end
     keep_checkpoints: int = 2  # newest complete checkpoints kept
+    # steps between HF exports of the trained weights (<run_dir>/hf_snapshots/step_<N>, all kept: the tiny card's
+    # are ~1 MB), to score offline, e.g. held-out accuracy against wall clock (tools/bench_paper.py); 0 = off
+    hf_snapshot_interval: int = 0
     # never: start fresh (refused when the run directory already holds a run) | auto: continue from the newest
     # complete checkpoint if there is one, else start fresh | require: continue, refused without a checkpoint
     # (`mega-async train --resume`)
@@ -340,6 +343,7 @@ class TrainerConfig:
         _positive("trainer.ppo_n_minibatches", self.ppo_n_minibatches)
         _positive("trainer.save_interval", self.save_interval, allow_zero=True)
         _positive("trainer.keep_checkpoints", self.keep_checkpoints)
+        _positive("trainer.hf_snapshot_interval", self.hf_snapshot_interval, allow_zero=True)
         _choice("trainer.resume", str(self.resume), ("never", "auto", "require"))
         for key in self.resume_override:
             _choice("trainer.resume_override", key, RESUME_OVERRIDES)

@@ -92,6 +92,10 @@ def control_variants() -> list[dict[str, Any]]:
 
 
 LONGTAIL_ETAS = (1, 2, 4, 8)
+# the long-tail sweeps export the weights every SNAPSHOT_EVERY steps (trainer.hf_snapshot_interval) and score each
+# export on the held-out split after the run (outside its wall clock): held-out accuracy against wall time
+SNAPSHOT_EVERY = 10
+HELDOUT_WINDOW = 2  # exports averaged for the time to sync's final held-out accuracy (128 problems: +-0.04 each)
 
 
 def longtail_variants() -> list[dict[str, Any]]:
@@ -107,17 +111,18 @@ SWEEPS = {  # name -> the defaults of its arguments (each may be overridden on t
               "steps": 150, "target": 0.7, "variants": None},
     "longtail": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
                  "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail",
-                 "runs_dir": "runs/bench_longtail_runs", "steps": 150, "target": 0.5,
+                 "runs_dir": "runs/bench_longtail_runs", "steps": 150, "target": 0.5, "snapshots": SNAPSHOT_EVERY,
                  "variants": "sync,eta1-dec,eta2-dec,eta4-dec,eta8-dec,eta4-ppo,eta8-ppo"},
     # item 4: the long-tail headline on the real SGLang engine (its CPU build: tools/install_sglang_cpu.sh), sync
     # against the eta of the long-tail sweep that reached sync's final reward soonest (best_eta), 3 seeds
     "longtail-sglang": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
                         "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail_sglang",
                         "runs_dir": "runs/bench_longtail_sglang_runs", "steps": 150, "target": 0.5,
-                        "variants": None, "seeds": "1,2,3", "engine": ["inference.backend=sglang"],
+                        "snapshots": SNAPSHOT_EVERY, "variants": None, "seeds": "1,2,3", "engine": ["inference.backend=sglang"],
                         "best_from": "benchmarks/longtail"},
 }
-SWEEP_ARGS = ("config", "sft_config", "sft_dir", "out", "runs_dir", "steps", "target", "variants", "seeds")
+SWEEP_ARGS = ("config", "sft_config", "sft_dir", "out", "runs_dir", "steps", "target", "variants", "seeds",
+              "snapshots")
 
 
 def sweep_variants(sweep_name: str) -> list[dict[str, Any]]:
@@ -162,7 +167,8 @@ def base_lr(config: str) -> float:
     return float(load_config(config).trainer.lr)
 
 
-def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path, lr: Optional[float] = None) -> list[str]:
+def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path, lr: Optional[float] = None,
+              snapshots: int = 0) -> list[str]:
     out = [f"rollout.max_staleness={v['eta']}", f"seed={seed}", f"trainer.total_steps={steps}",
            f"algorithm.prox_logp={'recompute' if v['objective'] == 'dec' else 'behavior'}",
            f"rollout.interrupt={v['interrupt']}", f"model.path={sft_dir / 'final_hf'}",
@@ -176,6 +182,8 @@ def overrides(v: dict, seed: int, steps: int, runs_dir: Path, sft_dir: Path, lr:
         out.append(f"trainer.lr={lr * v['lr_scale']:.6g}")
     if v.get("minibatches"):
         out.append(f"trainer.ppo_n_minibatches={v['minibatches']}")
+    if snapshots:
+        out.append(f"trainer.hf_snapshot_interval={snapshots}")
     return out
 
 
@@ -307,18 +315,56 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
         tail = (r.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RuntimeError(f"run {trial} failed (exit {r.returncode}): {tail}")
     run_dir = runs_dir / "bench_paper" / trial
+    history = read_metrics(run_dir)
     out = {**v, "seed": seed, "steps": a.steps, "process_s": round(time.monotonic() - t0, 2),
-           **run_figures(read_metrics(run_dir), a.target)}
+           **run_figures(history, a.target)}
     out["final_eval"] = final_eval(run_dir / "final_hf", sft_dir / "eval.jsonl", seed)
+    if (run_dir / "hf_snapshots").is_dir():
+        out["heldout_curve"] = heldout_curve(run_dir / "hf_snapshots", history, sft_dir / "eval.jsonl")
     return out
+
+
+def heldout_curve(snap_dir: Path, history: Sequence[dict], eval_file: Path) -> list[list[float]]:
+    """[step, elapsed_s, held-out greedy exact match] of every weight export under `snap_dir` (step_<N>: the
+    weights after step N; elapsed_s is that step's end in metrics.jsonl), in step order."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mega_async.data import load_rows
+    from mega_async.sft import exact_match
+
+    torch.set_num_threads(1)
+    items = load_rows(eval_file)
+    elapsed = {int(h["step"]): float(h["elapsed_s"]) for h in history}
+    out = []
+    for step, d in sorted((int(p.name[5:]), p) for p in snap_dir.glob("step_*") if p.name[5:].isdigit()):
+        if step not in elapsed:
+            continue  # a step the metrics do not have (a resumed run's lost tail): no time to put it at
+        model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32, use_safetensors=True)
+        out.append([step, elapsed[step], exact_match(model, items, AutoTokenizer.from_pretrained(str(d)))])
+    return out
+
+
+def time_to_heldout(hc: Sequence[Sequence[float]], target: float, window: int = HELDOUT_WINDOW) -> Optional[float]:
+    """Elapsed seconds at the first export where the held-out accuracy of the last `window` exports reaches
+    `target` (None: never)."""
+    for i in range(window - 1, len(hc)):
+        if statistics.fmean(x[2] for x in hc[i - window + 1:i + 1]) >= target - 1e-9:  # a tie counts
+            return hc[i][1]
+    return None
+
+
+def heldout_at_time(hc: Sequence[Sequence[float]], t: float) -> Optional[float]:
+    """Held-out accuracy of the last export made by elapsed second `t` (None: none was)."""
+    return next((x[2] for x in reversed(hc) if x[1] <= t), None)
 
 
 def train_command(v: dict, seed: int, a: argparse.Namespace, runs_dir: Path, sft_dir: Path) -> list[str]:
     """The `mega-async train` command line of one (variant, seed) (pinned through mega_async.pinning or not)."""
     entry = ["-m", "mega_async.pinning", "--"] if v["pin"] else ["-m", "mega_async.cli"]
     lr = base_lr(a.config) if v.get("lr_scale", 1.0) != 1.0 else None
-    return [sys.executable, *entry, "train", "-c", a.config, *overrides(v, seed, a.steps, runs_dir, sft_dir, lr),
-            *a.overrides]
+    return [sys.executable, *entry, "train", "-c", a.config,
+            *overrides(v, seed, a.steps, runs_dir, sft_dir, lr, getattr(a, "snapshots", 0) or 0), *a.overrides]
 
 
 def final_eval(model_dir: Path, eval_file: Path, seed: int) -> dict[str, float]:
@@ -505,7 +551,22 @@ def headline(runs: list[dict]) -> dict[str, Any]:
                      "step_s": step, "speedup": speed,
                      "fraction_of_bound": speed / bound if speed and bound else None,
                      "fraction_of_tail_bound": speed / bound_tail if speed and bound_tail else None}
+    held = [r["final_eval"]["greedy"] for r in sync if (r.get("final_eval") or {}).get("greedy") is not None
+            and r.get("heldout_curve")]
+    target_h = statistics.fmean(held) if held else None
+    if target_h is not None:
+        sync_t = t_interval([time_to_heldout(r["heldout_curve"], target_h) for r in sync])["mean"]
+        for name, v in per.items():
+            rs = [r for r in runs if r["name"] == name and r.get("heldout_curve")]
+            th = [time_to_heldout(r["heldout_curve"], target_h) for r in rs]
+            ti = t_interval(th)
+            v.update({"time_to_sync_heldout_s": ti, "reached_heldout": sum(t is not None for t in th),
+                      "heldout_runs": len(rs),
+                      "heldout_speedup": sync_t / ti["mean"] if sync_t and ti["mean"] else None,
+                      "heldout_equal_wall": t_interval([heldout_at_time(r["heldout_curve"], t_eq) for r in rs]),
+                      "heldout_final": t_interval([(r.get("final_eval") or {}).get("greedy") for r in rs])})
     return {"sync_final_reward": target, "equal_wall_s": t_eq, "bound": bound, "bound_tail": bound_tail,
+            "sync_final_heldout": target_h,
             "sync_rollout_wait_frac": (statistics.fmean(R) / (statistics.fmean(R) + statistics.fmean(T))
                                        if R and T else None), "variants": per}
 
@@ -529,20 +590,36 @@ def headline_table(h: dict[str, Any], order: Sequence[str]) -> str:
         lines.append(f"| {name} | {_ci(v['time_to_sync_final_s'], '{:.0f}')} ({v['reached']}/{n}) | "
                      f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'])}x | "
                      f"{f(v['fraction_of_bound'])} | {f(v['fraction_of_tail_bound'])} |")
+    if h.get("sync_final_heldout") is not None:
+        lines += ["", f"Held-out (greedy exact match of the weights exported every {SNAPSHOT_EVERY} steps, scored after "
+                  f"the run; the mean of {HELDOUT_WINDOW} consecutive exports): sync's final held-out accuracy "
+                  f"{h['sync_final_heldout']:.3f} (mean over seeds).", "",
+                  "| variant | time to sync's final held-out s (seeds reaching) | speed-up over sync | held-out at "
+                  "equal wall time | final held-out |", "|---|---|---|---|---|"]
+        for name in order:
+            v = h["variants"].get(name)
+            if v is None or "time_to_sync_heldout_s" not in v:
+                continue
+            lines.append(f"| {name} | {_ci(v['time_to_sync_heldout_s'], '{:.0f}')} ({v['reached_heldout']}/"
+                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'])}x | {_ci(v['heldout_equal_wall'])} | "
+                         f"{_ci(v['heldout_final'])} |")
     return "\n".join(lines)
 
 
 def best_eta(runs: list[dict]) -> Optional[int]:
-    """The decoupled, interruptible eta that reaches sync's final reward soonest (most seeds reaching first, then
-    the shortest mean time); None before any has results."""
+    """The decoupled, interruptible eta that reaches sync's final accuracy soonest: held-out when the runs have
+    their exports scored (else the train reward); most seeds reaching first, then the shortest mean time; None
+    before any has results."""
     h = headline(runs)
     cands = []
     for r in {r["name"]: r for r in runs if r["eta"] > 0 and r["objective"] == "dec" and r["interrupt"] == "abort"
               and r["pin"] and not r.get("stale") and r.get("lr_scale", 1.0) == 1.0 and not r.get("minibatches")}.values():
         v = (h.get("variants") or {}).get(r["name"])
         if v:
-            t = v["time_to_sync_final_s"]["mean"]
-            cands.append((-v["reached"], t if t is not None else math.inf, r["eta"]))
+            key, reached = (("time_to_sync_heldout_s", "reached_heldout") if "time_to_sync_heldout_s" in v
+                            else ("time_to_sync_final_s", "reached"))
+            t = v[key]["mean"]
+            cands.append((-v[reached], t if t is not None else math.inf, r["eta"]))
     return min(cands)[2] if cands else None
 
 
@@ -667,6 +744,42 @@ def plot_curves(runs: list[dict], objective: str, out: Path, title: str) -> Path
     return out
 
 
+def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional[Path]:
+    """The headline figure (runs with scored exports only): held-out accuracy against wall clock per variant (mean
+    over seeds at each export, at its mean time, with the 95% band; sync's final held-out dashed), and the time
+    to sync's final held-out accuracy per variant (mean and 95% interval over the seeds reaching it)."""
+    h = headline(runs)
+    if not h or h.get("sync_final_heldout") is None:
+        return None
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    names = [n for n in order if "time_to_sync_heldout_s" in h["variants"].get(n, {})]
+    for name in names:
+        rs = [r for r in runs if r["name"] == name and r.get("heldout_curve")]
+        k = min(len(r["heldout_curve"]) for r in rs)
+        xs = [statistics.fmean(r["heldout_curve"][i][1] for r in rs) for i in range(k)]
+        st = [t_interval([r["heldout_curve"][i][2] for r in rs]) for i in range(k)]
+        m, half = [x["mean"] for x in st], [x["ci95"] or 0.0 for x in st]
+        line, = a.plot(xs, m, lw=1.5, marker=".", label=f"{name} ({len(rs)} seeds)")
+        a.fill_between(xs, [x - y for x, y in zip(m, half)], [x + y for x, y in zip(m, half)],
+                       color=line.get_color(), alpha=0.12)
+    a.axhline(h["sync_final_heldout"], color="k", ls="--", lw=1, label="sync's final held-out")
+    a.set(xlabel="wall clock (s)", ylabel="held-out exact match (greedy)", title="held-out accuracy against time")
+    a.legend(fontsize=7)
+    ys = range(len(names))
+    vals = [h["variants"][n]["time_to_sync_heldout_s"] for n in names]
+    b.barh(list(ys), [v["mean"] or 0.0 for v in vals], xerr=[v["ci95"] or 0.0 for v in vals], color="tab:blue",
+           alpha=0.7, capsize=3)
+    b.set_yticks(list(ys), [f"{n} ({h['variants'][n]['reached_heldout']}/{h['variants'][n]['heldout_runs']})"
+                            for n in names], fontsize=8)
+    b.invert_yaxis()
+    b.set(xlabel="seconds (mean ± 95%, seeds reaching)", title="time to sync's final held-out accuracy")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def plot_throughput(rows: list[dict], out: Path) -> Path:
     """Fig 5c: effective training throughput (trained tokens / wall clock) against eta, pinned and unpinned,
     decoupled objective with interruption; mean and 95% interval over seeds."""
@@ -744,6 +857,7 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
     plot_curves(runs, "dec", out / "fig5b.png", "decoupled PPO")
     plot_throughput(rows, out / "fig5c.png")
     plot_interrupt(rows, out / "fig6b.png")
+    plot_headline(runs, order, out / "headline.png")
     return text
 
 
@@ -768,6 +882,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--from-results", default=None, help="an output directory or runs.json: redraw, run nothing")
     ap.add_argument("--diagnose", action="store_true", help="with --from-results DIR: add the objective's diagnostics "
                                                             "to raw results from their runs under --runs-dir first")
+    ap.add_argument("--snapshots", type=int, default=None,
+                    help="export the weights every N steps and score them on the held-out split after each run "
+                         f"(held-out accuracy against wall time; 0 = off; default: the long-tail sweeps {SNAPSHOT_EVERY}, "
+                         "paper 0)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds for one run")
     ap.add_argument("--until", default=None, help="start no run that would end after this time (HH:MM, local clock, "
                                                   "next occurrence) or this long from now (90m, 2h30m, 5400s); "
@@ -779,6 +897,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(a, k) is None:
             setattr(a, k, defaults.get(k))
     a.seeds = a.seeds or "1,2,3,4,5"
+    a.snapshots = a.snapshots or 0
     a.overrides = [*defaults.get("engine", []), *a.overrides]  # the engine first: the command line may override
     if a.variants is None and defaults.get("best_from") and not a.from_results:
         a.variants = real_engine_variants(ROOT / defaults["best_from"])

@@ -1,6 +1,7 @@
 """When a run saves and what it leaves: the checkpoint cadence (`trainer.save_interval`, the last step), the
 pre-emption vote (any rank asked to stop: checkpoint, then Preempted), the resume (a checkpoint's weights to the
-servers, its rollouts to the executor) and the final export (`<run_dir>/final_hf`)."""
+servers, its rollouts to the executor), the HF snapshots (`trainer.hf_snapshot_interval`) and the final export
+(`<run_dir>/final_hf`)."""
 from __future__ import annotations
 
 import logging
@@ -78,11 +79,23 @@ class Checkpointer:
         t = self.cfg.trainer
         stop = _any_rank(bool(self.stop_requested and self.stop_requested()), self.group)
         last = step == t.total_steps - 1
+        if t.hf_snapshot_interval and (step + 1) % t.hf_snapshot_interval == 0:
+            self._snapshot(step)
         if stop or last or (t.save_interval and (step + 1) % t.save_interval == 0):
             path = self._save(step)
             if stop:
                 self.preempted = Preempted(step, path)
         return stop
+
+    def _snapshot(self, step: int) -> None:
+        """The weights after `step` as an HF directory, `<run_dir>/hf_snapshots/step_<step>` (every rank takes part;
+        written whole or not at all, so a resumed run's repeat of the step replaces it)."""
+        from mega_async.trainer.weights import save_hf_checkpoint
+
+        t0 = time.monotonic()
+        out = self.cfg.run_dir / "hf_snapshots" / f"step_{step}"
+        save_hf_checkpoint(self.engine.models, out, src_dir=self.cfg.model.path)
+        logger.info("HF snapshot %s (%.2fs)", out, time.monotonic() - t0)
 
     def export_final(self) -> None:
         """The run's final weights as an HF directory: `<run_dir>/final_hf` (every rank takes part)."""

@@ -1,6 +1,6 @@
 """tools/bench_paper.py end to end on a 2-step config: a short `mega-async sft`, then the sweep's runner for a
-pinned asynchronous run and an unpinned synchronous one, each scored on the held-out split; the outputs are
-written from the recorded results and a second call resumes (runs nothing)."""
+pinned asynchronous run and an unpinned synchronous one, each scored on the held-out split, their weight exports
+too (--snapshots); the outputs are written from the recorded results and a second call resumes (runs nothing)."""
 import importlib.util
 import json
 import os
@@ -28,7 +28,7 @@ def test_sweep_runner_on_a_two_step_config(tmp_path):
     assert json.loads((sft / "sft_eval.json").read_text())["problems"] == 16
     out = tmp_path / "paper"
     argv = ["--variants", "eta2-dec,sync-unpinned", "--seeds", "1", "--steps", "2", "--sft-dir", str(sft),
-            "--out", str(out), "--runs-dir", str(tmp_path / "runs"), "rollout.consumer_batch_size=2",
+            "--out", str(out), "--runs-dir", str(tmp_path / "runs"), "--snapshots", "1", "rollout.consumer_batch_size=2",
             "rollout.group_size=2", "trainer.ppo_n_minibatches=1"]
     assert bp.main(argv) == 0
     runs = {p.stem: json.loads(p.read_text()) for p in (out / "raw").glob("*.json")}
@@ -36,6 +36,11 @@ def test_sweep_runner_on_a_two_step_config(tmp_path):
     a = runs["eta2-dec_s1"]
     assert a["pin"] and a["eta"] == 2 and len(a["curve"]) == 2 and a["wall_s"] > 0
     assert 0.0 <= a["final_eval"]["greedy"] <= 1.0 and a["final_eval"]["problems"] == 16
+    # the exports after steps 0 and 1, at those steps' times; the last is the final weights, scored alike
+    assert [h[:2] for h in a["heldout_curve"]] == [c[:2] for c in a["curve"]]
+    assert a["heldout_curve"][-1][2] == a["final_eval"]["greedy"]
+    assert sorted(p.name for p in (tmp_path / "runs" / "bench_paper" / "eta2-dec_s1" / "hf_snapshots").iterdir()) \
+        == ["step_0", "step_1"]
     log = (tmp_path / "runs" / "bench_paper" / "eta2-dec_s1" / "train.log").read_text()
     assert "pinned server pid" in log  # the server ran on its own half of the CPUs
     assert not runs["sync-unpinned_s1"]["pin"]

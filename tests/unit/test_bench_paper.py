@@ -267,6 +267,38 @@ def test_the_real_engine_headline_runs_sync_against_the_best_eta(tmp_path, capsy
     assert cmd.endswith("inference.backend=sglang inference.backend=embedded")  # the last one wins
 
 
+def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
+    """The headline's held-out figures: sync's final held-out greedy (mean over seeds) is the target; a run reaches
+    it at the first export whose accuracy, averaged with the one before (HELDOUT_WINDOW 2), is at least that;
+    held-out at equal wall time is the last export made by the shortest run's end."""
+    hc = [[9, 10.0, 0.50], [19, 20.0, 0.70], [29, 30.0, 0.60], [39, 40.0, 0.80]]
+    assert bp.time_to_heldout(hc, 0.65) == 30.0  # (0.7 + 0.6) / 2; not at 20 s: (0.5 + 0.7) / 2 = 0.6
+    assert bp.time_to_heldout(hc, 0.75) is None and bp.time_to_heldout(hc[:1], 0.1) is None
+    assert bp.heldout_at_time(hc, 35.0) == 0.60 and bp.heldout_at_time(hc, 5.0) is None
+    runs = []
+    for seed, fin in ((1, 0.64), (2, 0.66)):  # sync: final held-out 0.65 on average, 40 s per run
+        r = fake("sync", seed, eta=0, wall=40.0, greedy=fin)
+        r["heldout_curve"] = [[9, 10.0, 0.5], [19, 20.0, 0.6], [29, 30.0, 0.66], [39, 40.0, fin]]
+        runs.append(r)
+        r = fake("eta2-dec", seed, eta=2, wall=20.0, greedy=0.66)  # reaches 0.65 at its 3rd export (15 s)
+        r["heldout_curve"] = [[9, 5.0, 0.6], [19, 10.0, 0.62], [29, 15.0, 0.68], [39, 20.0, 0.66]]
+        runs.append(r)
+    h = bp.headline(runs)
+    assert h["sync_final_heldout"] == pytest.approx(0.65)
+    s, e = h["variants"]["sync"], h["variants"]["eta2-dec"]
+    # sync: (0.66 + 0.64) / 2 = 0.65 at 40 s (seed 1), (0.66 + 0.66) / 2 at 40 s (seed 2)
+    assert s["time_to_sync_heldout_s"]["values"] == [40.0, 40.0] and s["reached_heldout"] == 2
+    assert e["time_to_sync_heldout_s"]["values"] == [15.0, 15.0] and e["heldout_speedup"] == pytest.approx(40 / 15)
+    assert h["equal_wall_s"] == 20.0 and s["heldout_equal_wall"]["values"] == [0.6, 0.6]
+    assert e["heldout_equal_wall"]["values"] == [0.66, 0.66] and e["heldout_final"]["mean"] == pytest.approx(0.66)
+    assert bp.best_eta(runs) == 2
+    table = bp.headline_table(h, ["sync", "eta2-dec"])
+    assert "sync's final held-out accuracy 0.650" in table
+    assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 0.660 ± 0.000 | 0.660 ± 0.000 |" in table
+    assert bp.plot_headline(runs, ["sync", "eta2-dec"], tmp_path / "headline.png").stat().st_size > 0
+    assert bp.plot_headline([fake("sync", 1, eta=0)], ["sync"], tmp_path / "none.png") is None  # no exports
+
+
 def with_phases(r, wait, train, busy):
     r["phases"] = {"rollout_wait_s": wait, "train_s": train, "step_s": wait + train, "gen_busy": busy}
     return r
