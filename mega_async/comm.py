@@ -25,6 +25,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_free(host: str, port: int) -> bool:
+    """Whether a listener could bind `host:port` now. With SO_REUSEADDR, as servers bind: the connections of a
+    process that ended (TIME_WAIT) do not count, another process's listener does."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 PORT_ATTEMPTS = 3  # a process started at a free_port() that another process took meanwhile: tries with a new one
 
 

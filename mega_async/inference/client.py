@@ -680,6 +680,27 @@ class SGLangClient:
         for s in self._named([address]):
             s.returning_until = time.monotonic() + seconds
 
+    def readdress(self, old: str, new: str) -> None:
+        """The run started this server again at another address (its port was taken while it was down): the same
+        server, reached at `new` from now on; out of generation until it serves the current weights, as after any
+        restart."""
+        new = self._norm(new)
+        if any(s.address == new for s in self.servers):
+            raise ValueError(f"{new} is already one of this client's servers")
+        for s in self._named([old]):
+            logger.warning("server %s is now at %s (started again at another port)", s.address, new)
+            s.address = new
+            s.last_probe = 0.0
+
+    def adopt(self, addresses: Sequence[str]) -> None:
+        """Servers named elsewhere (rank 0 names a pipeline stage head's group members) that this client does not
+        know yet, such as one rank 0's client saw started again at another address: added, for control calls."""
+        known = {s.address for s in self.servers}
+        new = list(dict.fromkeys(a for a in map(self._norm, addresses) if a not in known))
+        if new:
+            self.servers.extend(_Server(a) for a in new)
+            self._rebuild_load()
+
     def drop(self, address: str, why: str) -> None:
         """Give up on a server for good (e.g. the run restarted it too often)."""
         for s in self.servers:

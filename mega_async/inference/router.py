@@ -147,6 +147,19 @@ class RouterLauncher:
             raise RuntimeError("the router is still running")
         self._spawn()
 
+    def readdress(self, old: str, new: str) -> None:
+        """Worker `old` now listens at `new` (the run restarted it at another port): smg's worker list is fixed at
+        launch, so it is started again over the new list, at its address, without waiting (the client sends
+        generation around it until it answers, as after a restart)."""
+        bare = lambda a: a.split("://", 1)[-1].rstrip("/")  # noqa: E731
+        if bare(old) not in [bare(w) for w in self.workers]:
+            raise ValueError(f"{old} is not one of the router's workers ({', '.join(self.workers)})")
+        self.workers = [new if bare(w) == bare(old) else w for w in self.workers]
+        logger.warning("router %s: worker %s moved to %s; starting the router again over the new list", self.address,
+                       old, new)
+        self.stop()
+        self._spawn()
+
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
         last: Optional[dict] = None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since
+from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since, port_free
 from mega_async.inference import sglang_cpu
 from mega_async.inference.sglang_cpu import engine_python
 
@@ -251,16 +251,25 @@ class ServerLauncher:
         """(index, exit code) of every server process that has ended."""
         return [(i, rc) for i, p in enumerate(self.procs) if (rc := p.poll()) is not None]
 
-    def restart(self, i: int) -> None:
-        """Start server i again at its address (same port, its log appended); does not wait for /health: the
-        client re-admits it once it answers with the current weights."""
+    def restart(self, i: int) -> Optional[str]:
+        """Start server i again (its log appended); does not wait for /health: the client re-admits it once it
+        answers with the current weights. At its address, unless another process listens on its port now (taken
+        while it was down): then at a new free port, and the new address is returned for the caller to tell the
+        client (and a router) about; else None."""
         with self._restart_lock:
             if self._stopping:
                 raise RuntimeError("the servers are being stopped")
             if self.procs[i].poll() is None:
                 raise RuntimeError(f"server {i} is still running")
             self._kill_group(i)  # what it left (e.g. SGLang's scheduler processes) holds its GPUs
+            moved = None
+            if not port_free(self.spec.host, int(self.addresses[i].rsplit(":", 1)[1])):
+                moved = f"{self.spec.host}:{free_port(self.spec.host)}"
+                logger.warning("server %d: another process listens at %s now (its port was taken while it was down); "
+                               "starting it at %s", i, self.addresses[i], moved)
+                self.addresses[i] = moved
             self.procs[i] = self._spawn(i, "ab")
+            return moved
 
     def _kill_group(self, i: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -187,7 +187,8 @@ class InferenceService:
 
 
 class ServerSupervisor:
-    """Restarts a server the run launched when its process ends, at its address, at most `max_restarts` times
+    """Restarts a server the run launched when its process ends, at its address (at another port, which the client
+    and a run-started router follow, when another process took its port meanwhile), at most `max_restarts` times
     each; the client keeps it out until it serves the current weights (the weight sync brings them). Past the
     limit the server is given up on (dropped from the client) with one line saying so."""
 
@@ -255,7 +256,14 @@ class ServerSupervisor:
         if self.events is not None:
             self.events.emit("server_restarted", server=address, code=rc, restarts=self.restarts[i])
         try:
-            self.launcher.restart(i)
+            moved = self.launcher.restart(i)
+            if moved:  # its port was taken while it was down: the client and the router follow it
+                self.client.readdress(address, moved)
+                if self.router is not None:
+                    self.router.readdress(address, moved)
+                if self.events is not None:
+                    self.events.emit("server_moved", server=address, to=moved)
+                address = moved
             self.client.expect_back(address, self.launcher.startup_timeout)
         except Exception as e:  # noqa: BLE001 - counted: the next look finds it ended again
             logger.error("server %d (%s) could not be started again: %s: %s", i, address, type(e).__name__, e)

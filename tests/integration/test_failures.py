@@ -1,6 +1,7 @@
 """Failure semantics of the rollout layer against real servers: every path stops with one clear error,
 within a bound, instead of resubmitting without end."""
 import asyncio
+import json
 import logging
 import socket
 import threading
@@ -133,6 +134,60 @@ def test_a_server_that_loses_every_port_fails_with_its_log(weights_root, tmp_pat
     finally:
         for s in held:
             s.close()
+
+
+@pytest.mark.slow  # starts a server twice
+def test_a_restarted_server_whose_port_was_taken_while_it_was_down_is_followed_at_its_new_port(weights_root,
+                                                                                               tmp_path, caplog):
+    """A server the run launched dies; before the supervisor starts it again, another process listens on its port.
+    It is started at a new free port, and the client follows it there (generation reaches it, never the other
+    process), with one line saying so and a server_moved event; a later restart keeps the new port."""
+    from mega_async.events import EventLog
+    from mega_async.inference.service import ServerSupervisor
+    from mega_async.types import ModelRequest
+
+    spec = ServerSpec("embedded", str(weights_root / "v0"), weights_root=str(weights_root), num_threads=1)
+    events = EventLog(tmp_path / "events.jsonl")
+    holder = socket.socket()
+    try:
+        with caplog.at_level(logging.WARNING, "mega_async"), \
+                ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120) as launcher:
+            old = launcher.addresses[0]
+            client = SGLangClient([old], unhealthy_timeout=120)
+            launcher.procs[0].kill()
+            launcher.procs[0].wait()
+            holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            holder.bind(("127.0.0.1", int(old.rsplit(":", 1)[1])))  # another process takes the port
+            holder.listen()
+            holder.settimeout(0.0)
+            sup = ServerSupervisor(launcher, client, max_restarts=3, interval=0.1, events=events)
+            try:
+                deadline = time.monotonic() + 30
+                while launcher.addresses[0] == old:
+                    assert time.monotonic() < deadline, launcher.log_tail(0)
+                    time.sleep(0.05)
+                new = launcher.addresses[0]
+                assert client.addresses == [f"http://{new}"] and sup.restarts == [1]
+                out = asyncio.run(client.agenerate(ModelRequest([1, 2, 3], max_new_tokens=4, temperature=0.0,
+                                                                ignore_eos=True)))
+                assert len(out.output_tokens) == 4
+                with pytest.raises(BlockingIOError):
+                    holder.accept()  # nothing was sent to the process that took the old port
+                launcher.procs[0].kill()  # its next restart: the new port is free again, so it stays there
+                launcher.procs[0].wait()
+                while sup.restarts != [2]:
+                    assert time.monotonic() < deadline + 30
+                    time.sleep(0.05)
+                assert launcher.addresses[0] == new and client.addresses == [f"http://{new}"]
+            finally:
+                sup.stop()
+    finally:
+        holder.close()
+        events.close()
+    said = [r.getMessage() for r in caplog.records if "listens at" in r.getMessage()]
+    assert len(said) == 1 and old in said[0] and new in said[0], said
+    moved = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(e["server"], e["to"]) for e in moved if e.get("kind") == "server_moved"] == [(old, new)]
 
 
 @pytest.mark.slow  # starts a server

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 from pathlib import Path
 
 import pytest
@@ -123,6 +124,38 @@ def test_a_router_whose_port_is_taken_before_it_binds_is_started_at_another(flee
     finally:
         router.stop()
         held.close()
+
+
+def test_a_worker_that_moved_to_another_port_is_reached_there_after_the_router_is_started_again(fleet, tmp_path):
+    """RouterLauncher.readdress (the run restarted a server at another port): smg, whose worker list is fixed at
+    launch, is started again over the new list, at its address, and routes to the worker at its new address."""
+    _, workers = fleet
+    for w, label in zip(workers, ("old", "new")):
+        assert post(w, "/update_weight_version", {"new_version": label})[0] == 200
+    router = RouterLauncher(str(smg_path()), [workers[0]], args=["--enable-rl"], log_path=tmp_path / "smg.log",
+                            startup_timeout=60)
+    try:
+        address = router.start()
+        with pytest.raises(ValueError, match="is not one of the router's workers"):
+            router.readdress("127.0.0.1:1", workers[1])
+        router.readdress(workers[0], workers[1])
+        assert router.address == address and router.workers == [workers[1]]
+        deadline = time.monotonic() + 60
+        while True:
+            try:  # refused while the new smg starts
+                status, listing = get(address, "/v1/rl/workers")
+                ready = get(address, "/readiness")[1]
+            except urllib.error.URLError:
+                status = None
+            if status == 200 and [w["url"] for w in listing["workers"]] == [f"http://{workers[1]}"] and \
+                    isinstance(ready, dict) and ready.get("healthy_workers") == 1:
+                break
+            assert time.monotonic() < deadline and router.exited() is None, router.log_tail()
+            time.sleep(0.2)
+        status, out = post(address, "/generate", {"input_ids": P, "sampling_params": {"max_new_tokens": 2}})
+        assert status == 200 and out["meta_info"]["weight_version"] == "new", out
+    finally:
+        router.stop()
 
 
 def test_a_run_generates_through_the_router_with_control_and_weights_straight_to_the_workers(fleet, tmp_path):

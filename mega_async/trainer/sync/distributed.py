@@ -292,6 +292,8 @@ class DistributedWeightSync(WeightSync):
         self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
         if addresses is None:
             addresses = [s.address for s in self.client.sync_targets()]
+        elif self.rollout is None:  # a later stage's head: rank 0 names the members, one may have moved meanwhile
+            self.client.adopt(addresses)
         if self.data_plane == "none":
             return self._init_control_plane_only(address, port, addresses)
         fut = self._loop.submit(self.client.init_weights_update_group(

@@ -1,0 +1,43 @@
+"""SGLangClient.readdress (the run started a server again at another port) and adopt (a later pipeline stage's
+head learns the members rank 0 names), and comm.port_free, which tells a restart that its port was taken."""
+import socket
+
+import pytest
+
+from mega_async.comm import free_port, port_free
+from mega_async.inference.client import SGLangClient
+
+
+def test_a_moved_server_keeps_its_state_and_is_reached_at_its_new_address():
+    c = SGLangClient(["127.0.0.1:1001", "127.0.0.1:1002"])
+    moved = c.servers[1]
+    moved.healthy, moved.down = False, "connection refused"
+    c.readdress("127.0.0.1:1002", "127.0.0.1:2002")
+    assert c.addresses == ["http://127.0.0.1:1001", "http://127.0.0.1:2002"]
+    assert c.servers[1] is moved and not moved.healthy  # the same server, still out until it serves
+    assert c._named(["127.0.0.1:2002"]) == [moved]
+    with pytest.raises(ValueError, match="is not one of this client's servers"):
+        c._named(["127.0.0.1:1002"])
+    with pytest.raises(ValueError, match="already one of this client's servers"):
+        c.readdress("127.0.0.1:1001", "http://127.0.0.1:2002")
+    with pytest.raises(ValueError, match="is not one of this client's servers"):
+        c.readdress("127.0.0.1:9", "127.0.0.1:3003")
+
+
+def test_adopt_adds_only_the_servers_it_does_not_know():
+    c = SGLangClient(["127.0.0.1:1001"])
+    c.adopt(["http://127.0.0.1:1001", "127.0.0.1:2002", "127.0.0.1:2002/"])
+    assert c.addresses == ["http://127.0.0.1:1001", "http://127.0.0.1:2002"]
+    assert [s.address for s in c._named(["127.0.0.1:2002"])] == ["http://127.0.0.1:2002"]
+    c.adopt([])
+    assert len(c.servers) == 2
+
+
+def test_port_free_sees_a_listener_but_not_a_closed_one():
+    port = free_port()
+    assert port_free("127.0.0.1", port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        assert not port_free("127.0.0.1", port)
+    assert port_free("127.0.0.1", port)
