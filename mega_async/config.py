@@ -279,8 +279,9 @@ class TrainerConfig:
     ppo_n_minibatches: int = 1
     save_interval: int = 0  # steps between checkpoints (<run_dir>/checkpoints/step_<N>); 0 = only at the end
     keep_checkpoints: int = 2  # newest complete checkpoints kept
-    # steps between HF exports of the trained weights (<run_dir>/hf_snapshots/step_<N>, all kept: the tiny card's
-    # are ~1 MB), to score offline, e.g. held-out accuracy against wall clock (tools/bench_paper.py); 0 = off
+    # every this many steps, and after the last, the trained weights as an HF directory (<run_dir>/hf_snapshots/
+    # step_<S>, S the 0-based step just done as in metrics.jsonl; all kept: the tiny card's are ~1 MB), to score
+    # offline, e.g. held-out accuracy against wall clock (tools/bench_paper.py); 0 = off
     hf_snapshot_interval: int = 0
     # never: start fresh (refused when the run directory already holds a run) | auto: continue from the newest
     # complete checkpoint if there is one, else start fresh | require: continue, refused without a checkpoint

@@ -114,7 +114,7 @@ SWEEPS = {  # name -> the defaults of its arguments (each may be overridden on t
                  "runs_dir": "runs/bench_longtail_runs", "steps": 150, "target": 0.5, "snapshots": SNAPSHOT_EVERY,
                  "variants": "sync,eta1-dec,eta2-dec,eta4-dec,eta8-dec,eta4-ppo,eta8-ppo"},
     # item 4: the long-tail headline on the real SGLang engine (its CPU build: tools/install_sglang_cpu.sh), sync
-    # against the eta of the long-tail sweep that reached sync's final reward soonest (best_eta), 3 seeds
+    # against the eta of the long-tail sweep that reached sync's final accuracy soonest (best_eta), 3 seeds
     "longtail-sglang": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
                         "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail_sglang",
                         "runs_dir": "runs/bench_longtail_sglang_runs", "steps": 150, "target": 0.5,
@@ -130,8 +130,8 @@ def sweep_variants(sweep_name: str) -> list[dict[str, Any]]:
 
 
 def real_engine_variants(best_from: Path) -> str:
-    """longtail-sglang's default --variants: sync and the decoupled eta that reached sync's final reward soonest in
-    the long-tail sweep on the embedded server (its results under `best_from`)."""
+    """longtail-sglang's default --variants: sync and the decoupled eta that reached sync's final accuracy soonest
+    in the long-tail sweep on the embedded server (its results under `best_from`; best_eta)."""
     eta = best_eta(load_results(best_from)[0])
     if eta is None:
         raise SystemExit(f"bench_paper: --sweep longtail-sglang runs sync against the best eta of the long-tail sweep, "
@@ -321,6 +321,7 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
     out["final_eval"] = final_eval(run_dir / "final_hf", sft_dir / "eval.jsonl", seed)
     if (run_dir / "hf_snapshots").is_dir():
         out["heldout_curve"] = heldout_curve(run_dir / "hf_snapshots", history, sft_dir / "eval.jsonl")
+    out["total_s"] = round(time.monotonic() - t0, 2)  # the run and its scoring: what a sitting's deadline needs
     return out
 
 
@@ -419,17 +420,19 @@ def sweep(variants: list[dict], seeds: Sequence[int], out: Path, runner: Callabl
     """Every (variant, seed) whose raw result is missing, seeds outermost (a drift in machine load hits every
     variant alike); returns (all results found or made, failures, runs not started). Each result is written as it
     finishes. With a `deadline` (a `clock()` time), no run starts that would end after it, judged by the longest
-    run this sweep made so far (by the recorded runs' process_s before the first): a sweep spread over several
-    sittings stops between runs, losing none."""
+    run this call made so far, else the longest recorded under `out` (its total_s, scoring included; process_s
+    for older results): a sweep spread over several sittings stops between runs, losing none."""
     results, failed, skipped = [], [], []
     took: list[float] = []
+    recorded = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json"))] if deadline else []
+    before = max((float(r.get("total_s") or r.get("process_s") or 0.0) for r in recorded), default=0.0)
     for seed in seeds:
         for v in variants:
             p = raw_path(out, v["name"], seed)
             if p.exists():
                 results.append(json.loads(p.read_text()))
                 continue
-            expect = max(took) if took else max((float(r.get("process_s") or 0.0) for r in results), default=0.0)
+            expect = max(took) if took else before
             if skipped or (deadline is not None and clock() + expect > deadline):
                 skipped.append(f"{v['name']}_s{seed}")
                 continue
@@ -555,9 +558,12 @@ def headline(runs: list[dict]) -> dict[str, Any]:
             and r.get("heldout_curve")]
     target_h = statistics.fmean(held) if held else None
     if target_h is not None:
-        sync_t = t_interval([time_to_heldout(r["heldout_curve"], target_h) for r in sync])["mean"]
+        sync_t = t_interval([time_to_heldout(r["heldout_curve"], target_h) for r in sync
+                             if r.get("heldout_curve")])["mean"]
         for name, v in per.items():
             rs = [r for r in runs if r["name"] == name and r.get("heldout_curve")]
+            if not rs:
+                continue  # recorded without exports (--snapshots 0, or before them): the reward figures only
             th = [time_to_heldout(r["heldout_curve"], target_h) for r in rs]
             ti = t_interval(th)
             v.update({"time_to_sync_heldout_s": ti, "reached_heldout": sum(t is not None for t in th),
@@ -571,7 +577,7 @@ def headline(runs: list[dict]) -> dict[str, Any]:
                                        if R and T else None), "variants": per}
 
 
-def headline_table(h: dict[str, Any], order: Sequence[str]) -> str:
+def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[int] = None) -> str:
     """Markdown: per variant the time to sync's final reward, the reward at equal wall time, the speed-up per step
     and the fraction of the overlap bound it achieves."""
     if not h:
@@ -591,7 +597,8 @@ def headline_table(h: dict[str, Any], order: Sequence[str]) -> str:
                      f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'])}x | "
                      f"{f(v['fraction_of_bound'])} | {f(v['fraction_of_tail_bound'])} |")
     if h.get("sync_final_heldout") is not None:
-        lines += ["", f"Held-out (greedy exact match of the weights exported every {SNAPSHOT_EVERY} steps, scored after "
+        every = f"every {snapshots} steps" if snapshots else "at intervals"
+        lines += ["", f"Held-out (greedy exact match of the weights exported {every} and at the end, scored after "
                   f"the run; the mean of {HELDOUT_WINDOW} consecutive exports): sync's final held-out accuracy "
                   f"{h['sync_final_heldout']:.3f} (mean over seeds).", "",
                   "| variant | time to sync's final held-out s (seeds reaching) | speed-up over sync | held-out at "
@@ -607,19 +614,20 @@ def headline_table(h: dict[str, Any], order: Sequence[str]) -> str:
 
 
 def best_eta(runs: list[dict]) -> Optional[int]:
-    """The decoupled, interruptible eta that reaches sync's final accuracy soonest: held-out when the runs have
-    their exports scored (else the train reward); most seeds reaching first, then the shortest mean time; None
-    before any has results."""
+    """The decoupled, interruptible eta that reaches sync's final accuracy soonest: held-out when every candidate's
+    runs have their exports scored (else the train reward, for all); most seeds reaching first, then the shortest
+    mean time; None before any has results."""
     h = headline(runs)
+    found = [(r["eta"], v) for r in {r["name"]: r for r in runs if r["eta"] > 0 and r["objective"] == "dec"
+                                     and r["interrupt"] == "abort" and r["pin"] and not r.get("stale")
+                                     and r.get("lr_scale", 1.0) == 1.0 and not r.get("minibatches")}.values()
+             if (v := (h.get("variants") or {}).get(r["name"]))]
+    held = bool(found) and all("time_to_sync_heldout_s" in v for _, v in found)  # one ranking for all of them
+    key, reached = ("time_to_sync_heldout_s", "reached_heldout") if held else ("time_to_sync_final_s", "reached")
     cands = []
-    for r in {r["name"]: r for r in runs if r["eta"] > 0 and r["objective"] == "dec" and r["interrupt"] == "abort"
-              and r["pin"] and not r.get("stale") and r.get("lr_scale", 1.0) == 1.0 and not r.get("minibatches")}.values():
-        v = (h.get("variants") or {}).get(r["name"])
-        if v:
-            key, reached = (("time_to_sync_heldout_s", "reached_heldout") if "time_to_sync_heldout_s" in v
-                            else ("time_to_sync_final_s", "reached"))
-            t = v[key]["mean"]
-            cands.append((-v[reached], t if t is not None else math.inf, r["eta"]))
+    for eta, v in found:
+        t = v[key]["mean"]
+        cands.append((-v[reached], t if t is not None else math.inf, eta))
     return min(cands)[2] if cands else None
 
 
@@ -756,9 +764,10 @@ def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional
     names = [n for n in order if "time_to_sync_heldout_s" in h["variants"].get(n, {})]
     for name in names:
         rs = [r for r in runs if r["name"] == name and r.get("heldout_curve")]
-        k = min(len(r["heldout_curve"]) for r in rs)
-        xs = [statistics.fmean(r["heldout_curve"][i][1] for r in rs) for i in range(k)]
-        st = [t_interval([r["heldout_curve"][i][2] for r in rs]) for i in range(k)]
+        at = [{int(x[0]): x for x in r["heldout_curve"]} for r in rs]
+        steps = sorted(set.intersection(*(set(d) for d in at)))  # the exports every seed has, step by step
+        xs = [statistics.fmean(d[k][1] for d in at) for k in steps]
+        st = [t_interval([d[k][2] for d in at]) for k in steps]
         m, half = [x["mean"] for x in st], [x["ci95"] or 0.0 for x in st]
         line, = a.plot(xs, m, lw=1.5, marker=".", label=f"{name} ({len(rs)} seeds)")
         a.fill_between(xs, [x - y for x, y in zip(m, half)], [x + y for x, y in zip(m, half)],
@@ -770,6 +779,9 @@ def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional
     vals = [h["variants"][n]["time_to_sync_heldout_s"] for n in names]
     b.barh(list(ys), [v["mean"] or 0.0 for v in vals], xerr=[v["ci95"] or 0.0 for v in vals], color="tab:blue",
            alpha=0.7, capsize=3)
+    for y, v in zip(ys, vals):
+        if v["mean"] is None:  # no seed reached it: no bar, said so
+            b.text(0, y, " not reached", va="center", fontsize=8, color="tab:red")
     b.set_yticks(list(ys), [f"{n} ({h['variants'][n]['reached_heldout']}/{h['variants'][n]['heldout_runs']})"
                             for n in names], fontsize=8)
     b.invert_yaxis()
@@ -840,7 +852,7 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
     task = {"longtail": "countdown task (long tail)", "longtail-sglang": "countdown task (long tail), real SGLang "
             "engine (CPU)"}.get(meta.get("sweep"), "addition task")
     order = sorted({r["name"] for r in runs}, key=lambda n: (variant_order().get(n, 10**6), n))
-    hl = headline_table(headline(runs), order)
+    hl = headline_table(headline(runs), order, meta.get("snapshots"))
     head = (f"# Table 2 ({task}): mean ± 95% Student-t half-width over seeds\n\n"
             + (f"SFT start: held-out exact match greedy {sft['greedy']:.3f}, sampled (t=1) {sft['sampled_t1']:.3f} "
                f"over {sft['problems']} problems.\n\n" if sft else ""))
@@ -898,6 +910,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             setattr(a, k, defaults.get(k))
     a.seeds = a.seeds or "1,2,3,4,5"
     a.snapshots = a.snapshots or 0
+    if a.snapshots < 0:
+        raise SystemExit(f"bench_paper: --snapshots {a.snapshots}: pass N >= 1 steps between exports, or 0 for none")
     a.overrides = [*defaults.get("engine", []), *a.overrides]  # the engine first: the command line may override
     if a.variants is None and defaults.get("best_from") and not a.from_results:
         a.variants = real_engine_variants(ROOT / defaults["best_from"])
@@ -930,7 +944,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"# then eta{{E}}-dec-nointr for every seed, E = {a.nointr_eta or 'the best eta from the results'}")
         return 0
     deadline = until(a.until) if a.until else None
-    if defaults.get("engine"):  # the real engine's environment, once, before any run (not one failure per run)
+    backend = [o.split("=", 1)[1] for o in a.overrides if o.startswith("inference.backend=")]
+    if backend and backend[-1] == "sglang":  # the real engine's environment, once, before any run (not per run)
         from mega_async.inference.sglang_cpu import engine_python
 
         try:
@@ -939,10 +954,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"bench_paper: {e}") from None
     sft_dir, sft_eval = ensure_sft(a)
     meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
+            "snapshots": a.snapshots,
             "overrides": a.overrides, "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
             "sft_eval": sft_eval, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed, skipped = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
-    if nointr and not skipped:  # interrupt=none at the eta that reached sync's final reward soonest
+    if nointr and skipped:  # the deadline came first: the interrupt=none runs are for a later sitting too
+        skipped.append("eta{best}-dec-nointr for every seed")
+    elif nointr:  # interrupt=none at the eta that reached sync's final accuracy soonest (best_eta)
         eta = a.nointr_eta or best_eta(load_results(out)[0])
         if eta is not None:
             extra = pick(universe, f"eta{eta}-dec-nointr")

@@ -148,13 +148,16 @@ class RouterLauncher:
         self._spawn()
 
     def readdress(self, old: str, new: str) -> None:
-        """Worker `old` now listens at `new` (the run restarted it at another port): smg's worker list is fixed at
-        launch, so it is started again over the new list, at its address, without waiting (the client sends
-        generation around it until it answers, as after a restart)."""
+        """Worker `old` now listens at `new` (the run restarted it at another port). smg's worker list is fixed at
+        launch: a running router is started again over the new list, at its address, without waiting (the client
+        sends generation around it until it answers, as after a restart); one that is not running (ended, waiting
+        for its restart, given up on) only takes the new list for its next start."""
         bare = lambda a: a.split("://", 1)[-1].rstrip("/")  # noqa: E731
         if bare(old) not in [bare(w) for w in self.workers]:
             raise ValueError(f"{old} is not one of the router's workers ({', '.join(self.workers)})")
         self.workers = [new if bare(w) == bare(old) else w for w in self.workers]
+        if self.proc is None or self.proc.poll() is not None:
+            return
         logger.warning("router %s: worker %s moved to %s; starting the router again over the new list", self.address,
                        old, new)
         self.stop()

@@ -262,6 +262,7 @@ class ServerLauncher:
             if self.procs[i].poll() is None:
                 raise RuntimeError(f"server {i} is still running")
             self._kill_group(i)  # what it left (e.g. SGLang's scheduler processes) holds its GPUs
+            self._wait_group_gone(i)  # and maybe its listener: only another process's counts below
             moved = None
             if not port_free(self.spec.host, int(self.addresses[i].rsplit(":", 1)[1])):
                 moved = f"{self.spec.host}:{free_port(self.spec.host)}"
@@ -274,6 +275,16 @@ class ServerLauncher:
     def _kill_group(self, i: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.procs[i].pid, signal.SIGKILL)
+
+    def _wait_group_gone(self, i: int, timeout: float = 5.0) -> None:
+        """Until no process of server i's group is left (SIGKILL takes a moment), at most `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.procs[i].pid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            time.sleep(0.05)
 
     def _wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout

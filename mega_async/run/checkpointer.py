@@ -79,7 +79,7 @@ class Checkpointer:
         t = self.cfg.trainer
         stop = _any_rank(bool(self.stop_requested and self.stop_requested()), self.group)
         last = step == t.total_steps - 1
-        if t.hf_snapshot_interval and (step + 1) % t.hf_snapshot_interval == 0:
+        if t.hf_snapshot_interval and ((step + 1) % t.hf_snapshot_interval == 0 or last):
             self._snapshot(step)
         if stop or last or (t.save_interval and (step + 1) % t.save_interval == 0):
             path = self._save(step)

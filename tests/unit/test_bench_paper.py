@@ -126,6 +126,19 @@ def test_a_deadline_stops_the_sweep_between_runs(tmp_path):
     assert calls[1:] == [("sync", 2), ("eta4-dec", 2)] and not skipped and len(results) == 4
 
 
+def test_a_deadline_judges_a_first_run_by_every_recorded_one(tmp_path):
+    """A call with nothing of its own recorded yet (a new sitting's first run, the interrupt=none follow-up) is
+    judged by the longest run recorded under `out`, its scoring included (total_s)."""
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "sync_s1.json").write_text(json.dumps({**fake("sync", 1, eta=0), "process_s": 40.0,
+                                                               "total_s": 90.0}))
+    calls = []
+    variants = bp.pick(bp.all_variants(), "eta4-dec-nointr")
+    _, _, skipped = bp.sweep(variants, [1], tmp_path, lambda v, sd: calls.append(v) or fake(v["name"], sd),
+                             deadline=1080.0, clock=lambda: 1000.0)
+    assert not calls and skipped == ["eta4-dec-nointr_s1"]  # 1000 + 90 > 1080 (process_s alone would fit)
+
+
 def test_until_reads_a_clock_time_or_a_duration():
     import datetime
 
@@ -297,6 +310,14 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 0.660 ± 0.000 | 0.660 ± 0.000 |" in table
     assert bp.plot_headline(runs, ["sync", "eta2-dec"], tmp_path / "headline.png").stat().st_size > 0
     assert bp.plot_headline([fake("sync", 1, eta=0)], ["sync"], tmp_path / "none.png") is None  # no exports
+    # results recorded without exports beside ones with them (--snapshots 0, or older): reward figures only
+    mixed = runs + [fake("sync", 3, eta=0, wall=40.0), fake("eta4-dec", 1, eta=4, wall=20.0)]
+    h = bp.headline(mixed)
+    assert h["variants"]["sync"]["heldout_runs"] == 2 and "time_to_sync_heldout_s" not in h["variants"]["eta4-dec"]
+    assert "| eta4-dec |" not in bp.headline_table(h, ["sync", "eta2-dec", "eta4-dec"], 10).split("Held-out")[1]
+    assert "exported every 10 steps" in bp.headline_table(h, ["sync"], 10)
+    assert bp.plot_headline(mixed, ["sync", "eta2-dec", "eta4-dec"], tmp_path / "mixed.png") is not None
+    assert bp.best_eta(mixed) in (2, 4)  # one ranking (by the reward, since eta 4 has no exports): no crash
 
 
 def with_phases(r, wait, train, busy):

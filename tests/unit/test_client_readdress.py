@@ -1,5 +1,6 @@
-"""SGLangClient.readdress (the run started a server again at another port) and adopt (a later pipeline stage's
-head learns the members rank 0 names), and comm.port_free, which tells a restart that its port was taken."""
+"""SGLangClient.readdress (the run started a server again at another port) with RouterLauncher.readdress, adopt
+(a later pipeline stage's head learns the members rank 0 names), and comm.port_free, which tells a restart that its
+port was taken."""
 import socket
 
 import pytest
@@ -41,3 +42,15 @@ def test_port_free_sees_a_listener_but_not_a_closed_one():
         s.listen()
         assert not port_free("127.0.0.1", port)
     assert port_free("127.0.0.1", port)
+
+
+def test_a_router_not_running_only_takes_the_moved_workers_address_for_its_next_start(tmp_path):
+    """RouterLauncher.readdress on a router that is not running (ended and waiting for its supervised restart, or
+    given up on): the worker list changes, nothing is started (its restarts stay the supervisor's to count)."""
+    from mega_async.inference.router import RouterLauncher
+
+    r = RouterLauncher(str(tmp_path / "no-smg"), ["127.0.0.1:1001", "http://127.0.0.1:1002"])
+    r.readdress("http://127.0.0.1:1002/", "127.0.0.1:2002")
+    assert r.workers == ["127.0.0.1:1001", "127.0.0.1:2002"] and r.proc is None
+    with pytest.raises(ValueError, match="is not one of the router's workers"):
+        r.readdress("127.0.0.1:1002", "127.0.0.1:3003")
