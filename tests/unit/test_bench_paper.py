@@ -281,15 +281,16 @@ def test_the_real_engine_headline_runs_sync_against_the_best_eta(tmp_path, capsy
 
 
 def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
-    """The headline's held-out figures: sync's final held-out greedy (mean over seeds) is the target; a run reaches
-    it at the first export whose accuracy, averaged with the one before (HELDOUT_WINDOW 2), is at least that;
-    held-out at equal wall time is the last export made by the shortest run's end."""
+    """The headline's held-out figures: sync's final held-out greedy (mean over seeds) is the target, which sync
+    has at its end (the time to beat); another run reaches it at the first export whose accuracy, averaged with the
+    one before (HELDOUT_WINDOW 2), is at least that; held-out at equal wall time is the last export made by the
+    shortest run's end."""
     hc = [[9, 10.0, 0.50], [19, 20.0, 0.70], [29, 30.0, 0.60], [39, 40.0, 0.80]]
     assert bp.time_to_heldout(hc, 0.65) == 30.0  # (0.7 + 0.6) / 2; not at 20 s: (0.5 + 0.7) / 2 = 0.6
     assert bp.time_to_heldout(hc, 0.75) is None and bp.time_to_heldout(hc[:1], 0.1) is None
     assert bp.heldout_at_time(hc, 35.0) == 0.60 and bp.heldout_at_time(hc, 5.0) is None
     runs = []
-    for seed, fin in ((1, 0.64), (2, 0.66)):  # sync: final held-out 0.65 on average, 40 s per run
+    for seed, fin in ((1, 0.62), (2, 0.68)):  # sync: final held-out 0.65 on average, 40 s per run
         r = fake("sync", seed, eta=0, wall=40.0, greedy=fin)
         r["heldout_curve"] = [[9, 10.0, 0.5], [19, 20.0, 0.6], [29, 30.0, 0.66], [39, 40.0, fin]]
         runs.append(r)
@@ -299,8 +300,9 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     h = bp.headline(runs)
     assert h["sync_final_heldout"] == pytest.approx(0.65)
     s, e = h["variants"]["sync"], h["variants"]["eta2-dec"]
-    # sync: (0.66 + 0.64) / 2 = 0.65 at 40 s (seed 1), (0.66 + 0.66) / 2 at 40 s (seed 2)
+    # sync has its final accuracy at its end (40 s), though seed 1's last two exports average (0.66 + 0.62) / 2 < 0.65
     assert s["time_to_sync_heldout_s"]["values"] == [40.0, 40.0] and s["reached_heldout"] == 2
+    assert bp.time_to_heldout(runs[0]["heldout_curve"], 0.65) is None
     assert e["time_to_sync_heldout_s"]["values"] == [15.0, 15.0] and e["heldout_speedup"] == pytest.approx(40 / 15)
     assert h["equal_wall_s"] == 20.0 and s["heldout_equal_wall"]["values"] == [0.6, 0.6]
     assert e["heldout_equal_wall"]["values"] == [0.66, 0.66] and e["heldout_final"]["mean"] == pytest.approx(0.66)
