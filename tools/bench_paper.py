@@ -16,6 +16,8 @@ exists), then one `mega-async train` per (variant, seed) from it. Variants (name
   eta{E}-dec / eta{E}-ppo  asynchronous at eta E in 1, 2, 4, 8, 16; decoupled objective (prox_logp=recompute)
                            or naive PPO (prox_logp=behavior: the clip is centred on the behaviour policy)
   eta{E}-dec-nointr        rollout.interrupt=none: weight syncs wait for generation in flight (Fig 6b)
+  eta{E}-dec-inplace       (long-tail sweep, by name) rollout.interrupt=in_place: the servers keep the interrupted
+                           requests' KV cache, so nothing is prefilled again after a sync
   ...-unpinned             the same without CPU pinning (every other run pins the servers and the trainer
                            to disjoint halves of the CPUs: mega_async.pinning)
   stale{K}                 the control: synchronous (max_staleness 0) but every step trains on a batch generated K
@@ -100,9 +102,11 @@ HELDOUT_WINDOW = 2  # exports averaged for the time to sync's final held-out acc
 
 def longtail_variants() -> list[dict[str, Any]]:
     """The long-tail sweep (issue 35 item 3): sync; eta 1, 2, 4, 8 decoupled; naive PPO at eta 4 and 8; and the
-    interrupt=none candidates (one of them runs: the best eta's, see best_eta)."""
+    interrupt=none candidates (one of them runs: the best eta's, see best_eta); and, by name only, the same etas
+    with interrupt=in_place (the servers keep the interrupted requests' cache: nothing is prefilled again)."""
     return ([_v("sync", 0)] + [_v(f"eta{e}-dec", e) for e in LONGTAIL_ETAS] + [_v(f"eta{e}-ppo", e, "ppo") for e in (4, 8)]
-            + [_v(f"eta{e}-dec-nointr", e, interrupt="none") for e in LONGTAIL_ETAS])
+            + [_v(f"eta{e}-dec-nointr", e, interrupt="none") for e in LONGTAIL_ETAS]
+            + [_v(f"eta{e}-dec-inplace", e, interrupt="in_place") for e in LONGTAIL_ETAS])
 
 
 SWEEPS = {  # name -> the defaults of its arguments (each may be overridden on the command line)
@@ -229,7 +233,8 @@ DIAG = {"train/staleness": "trained tokens' staleness", "train/behav_imp_weight_
         "filter/forced_frac": "filter: forced through", "batch/effective_groups": "groups with a gradient per step",
         "batch/adv_abs_mean": "|advantage| mean", "batch/gen_len_mean": "generated tokens / seq",
         "batch/gen_len_max_over_median": "batch max / median tokens",
-        "batch/gen_s_max_over_median": "batch max / median gen seconds"}
+        "batch/gen_s_max_over_median": "batch max / median gen seconds",
+        "interrupt/per_step": "requests interrupted per step", "interrupt/resent_frac": "tokens resent / generated"}
 FILTER_FRACS = ("kept", "dropped", "forced")
 
 
@@ -264,18 +269,38 @@ def phases(history: Sequence[dict]) -> dict[str, Optional[float]]:
             "gen_busy": statistics.fmean(busy) if busy else None}
 
 
+def interruptions(run_dir: Path) -> dict[str, float]:
+    """How much the weight syncs' interruptions cost a run (events.jsonl): requests interrupted per step, and the
+    tokens they had generated, which go back to a server with the request (prefilled again there unless it kept
+    their cache), per generated token. Empty without the files."""
+    from mega_async.run.report import read_metrics
+
+    try:
+        events = [json.loads(x) for x in (run_dir / "events.jsonl").read_text().splitlines() if x.strip()]
+        history = read_metrics(run_dir)
+    except (OSError, ValueError):
+        return {}
+    cut = [e for e in events if e.get("kind") == "episode_interrupted"]
+    generated = float(history[-1].get("executor/output_tokens") or 0.0) if history else 0.0
+    out = {"interrupt/per_step": len(cut) / max(len(history), 1)}
+    if generated:
+        out["interrupt/resent_frac"] = sum(int(e.get("tokens") or 0) for e in cut) / generated
+    return out
+
+
 def backfill_diagnostics(out: Path, runs_dir: Path) -> int:
-    """Raw results without diagnostics get them from their run's metrics.jsonl when it is still there; returns
-    how many were filled."""
+    """Raw results without diagnostics (or without the interruption figures) get them from their run's
+    metrics.jsonl and events.jsonl when they are still there; returns how many were filled."""
     from mega_async.run.report import read_metrics
 
     n = 0
     for p in sorted((out / "raw").glob("*.json")):
         r = json.loads(p.read_text())
         run_dir = runs_dir / "bench_paper" / p.stem
-        if r.get("diag") or not (run_dir / "metrics.jsonl").is_file():
+        done = r.get("diag") and ("interrupt/per_step" in r["diag"] or not (run_dir / "events.jsonl").is_file())
+        if done or not (run_dir / "metrics.jsonl").is_file():
             continue
-        r["diag"] = diagnostics(read_metrics(run_dir))
+        r["diag"] = {**(r.get("diag") or diagnostics(read_metrics(run_dir))), **interruptions(run_dir)}
         tmp = p.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(r) + "\n")
         tmp.replace(p)
@@ -318,6 +343,7 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
     history = read_metrics(run_dir)
     out = {**v, "seed": seed, "steps": a.steps, "process_s": round(time.monotonic() - t0, 2),
            **run_figures(history, a.target)}
+    out["diag"].update(interruptions(run_dir))
     out["final_eval"] = final_eval(run_dir / "final_hf", sft_dir / "eval.jsonl", seed)
     if (run_dir / "hf_snapshots").is_dir():
         out["heldout_curve"] = heldout_curve(run_dir / "hf_snapshots", history, sft_dir / "eval.jsonl")

@@ -226,6 +226,28 @@ def test_diagnostics_backfilled_from_the_runs_metrics(tmp_path):
     assert "| eta4-dec | 2 | 2 ± 6.353 | 1 ± 0 | - | - | - | - | 0.1 ± 0 | - |" in table
 
 
+def test_interruptions_counted_from_the_runs_events_and_backfilled(tmp_path):
+    """Per run: requests interrupted per step and the tokens they carried back to a server per generated token
+    (events.jsonl's episode_interrupted, metrics.jsonl's executor/output_tokens); added to recorded results."""
+    out, runs_dir = tmp_path / "out", tmp_path / "runs"
+    (out / "raw").mkdir(parents=True)
+    d = runs_dir / "bench_paper" / "eta4-dec_s1"
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "executor/output_tokens": 100 * (i + 1)}) + "\n"
+                                             for i in range(4)))
+    cut = [{"kind": "episode_interrupted", "tokens": t} for t in (30, 50, 0)] + [{"kind": "sync_start"}]
+    (d / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in cut))
+    assert bp.interruptions(d) == {"interrupt/per_step": 0.75, "interrupt/resent_frac": 0.2}
+    assert bp.interruptions(tmp_path / "nothing") == {}
+    r = {"name": "eta4-dec", "eta": 4, "objective": "dec", "interrupt": "abort", "pin": True, "seed": 1,
+         "wall_s": 10.0, "reward_final": 0.5, "curve": [[0, 1.0, 0.5, 10.0]], "diag": {"train/staleness": 2.0}}
+    (out / "raw" / "eta4-dec_s1.json").write_text(json.dumps(r))
+    assert bp.backfill_diagnostics(out, runs_dir) == 1 and bp.backfill_diagnostics(out, runs_dir) == 0
+    diag = json.loads((out / "raw" / "eta4-dec_s1.json").read_text())["diag"]
+    assert diag == {"train/staleness": 2.0, "interrupt/per_step": 0.75, "interrupt/resent_frac": 0.2}
+    assert "requests interrupted per step" in bp.diagnostics_table([{**r, "diag": diag}])
+
+
 def test_controls_and_the_longtail_sweep_make_their_overrides():
     v = {x["name"]: x for x in bp.all_variants()}
     ov = bp.overrides(v["stale2"], 1, 50, Path("/r"), Path("/s"))
