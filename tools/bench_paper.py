@@ -803,7 +803,8 @@ def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional
         a.fill_between(xs, [x - y for x, y in zip(m, half)], [x + y for x, y in zip(m, half)],
                        color=line.get_color(), alpha=0.12)
     a.axhline(h["sync_final_heldout"], color="k", ls="--", lw=1, label="sync's final held-out")
-    a.set(xlabel="wall clock (s)", ylabel="held-out exact match (greedy)", title="held-out accuracy against time")
+    a.set(xlabel="wall clock (s)", ylabel="held-out exact match (greedy)", title="held-out accuracy against time",
+          ylim=(0.0, 1.0))  # an accuracy: few seeds' t-bands would stretch the axis past it
     a.legend(fontsize=7)
     ys = range(len(names))
     vals = [h["variants"][n]["time_to_sync_heldout_s"] for n in names]
@@ -816,6 +817,7 @@ def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional
                             for n in names], fontsize=8)
     b.invert_yaxis()
     b.set(xlabel="seconds (mean ± 95%, seeds reaching)", title="time to sync's final held-out accuracy")
+    b.set_xlim(left=0.0)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
     plt.close(fig)
