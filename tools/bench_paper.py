@@ -759,6 +759,13 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, out: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
 def plot_curves(runs: list[dict], objective: str, out: Path, title: str) -> Path:
     """Fig 5a (naive PPO) / 5b (decoupled): reward against step and against wall clock, sync and every eta,
     pinned runs with interruption; mean over seeds with the 95% band."""
@@ -776,10 +783,7 @@ def plot_curves(runs: list[dict], objective: str, out: Path, title: str) -> Path
     a.set(xlabel="training step", ylabel="exact-match reward (t=1)", title=f"{title}: reward per step")
     b.set(xlabel="wall clock (s)", ylabel="exact-match reward (t=1)", title=f"{title}: reward per second")
     a.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional[Path]:
@@ -818,10 +822,7 @@ def plot_headline(runs: list[dict], order: Sequence[str], out: Path) -> Optional
     b.invert_yaxis()
     b.set(xlabel="seconds (mean ± 95%, seeds reaching)", title="time to sync's final held-out accuracy")
     b.set_xlim(left=0.0)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_throughput(rows: list[dict], out: Path) -> Path:
@@ -844,10 +845,7 @@ def plot_throughput(rows: list[dict], out: Path) -> Path:
     ax.set(xlabel="max staleness eta (0 = synchronous)", ylabel="trained tokens / s",
            title="effective training throughput vs staleness")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def plot_interrupt(rows: list[dict], out: Path) -> Path:
@@ -867,10 +865,7 @@ def plot_interrupt(rows: list[dict], out: Path) -> Path:
     ax.set_xticks(range(len(etas)), [f"eta {e}" for e in etas])
     ax.set(ylabel="generated tokens / s", title="generation throughput: interruptible vs not")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out)
 
 
 def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
