@@ -417,6 +417,39 @@ def ensure_sft(a: argparse.Namespace) -> tuple[Path, dict]:
     return sft_dir, json.loads((sft_dir / "sft_eval.json").read_text())
 
 
+def sft_fingerprint(sft_dir: Path) -> str:
+    """sha256 over the SFT model's weight files (final_hf/*.safetensors, by name): which start the runs share."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted((sft_dir / "final_hf").glob("*.safetensors")):
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+SFT_EVAL_KEYS = ("greedy", "sampled_t1", "problems", "samples", "steps")
+
+
+def check_same_start(before: dict, sft_dir: Path, sft_eval: dict, fingerprint: str, out: Path) -> None:
+    """A later sitting must start from the SFT model the recorded runs started from (its run directory may have
+    been trained again, e.g. on a fresh machine): the weights' sha256 where it was recorded, else the held-out
+    evaluation, which is deterministic; a mismatch is refused in one line."""
+    known = before.get("sft_sha256")
+    if known and known != fingerprint:
+        raise SystemExit(f"bench_paper: the SFT model in {sft_dir} (sha256 {fingerprint[:12]}) is not the one the "
+                         f"runs in {out} started from (sha256 {known[:12]}); restore that SFT run, or pass another "
+                         f"--out for a sweep from this one")
+    old = before.get("sft_eval")
+    if not known and old:
+        a, b = ({k: e.get(k) for k in SFT_EVAL_KEYS} for e in (old, sft_eval))
+        if a != b:
+            raise SystemExit(f"bench_paper: the SFT model in {sft_dir} evaluates {b}, the one the runs in {out} "
+                             f"started from {a}; restore that SFT run, or pass another --out for a sweep from this one")
+
+
 # ---- the sweep ----------------------------------------------------------------------------------------
 def until(text: str, now: Optional[float] = None) -> float:
     """The deadline `--until` names, as a time.time() value: HH:MM on the local clock (its next occurrence), or a
@@ -980,10 +1013,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except FileNotFoundError as e:
             raise SystemExit(f"bench_paper: {e}") from None
     sft_dir, sft_eval = ensure_sft(a)
+    fingerprint = sft_fingerprint(sft_dir)
+    check_same_start(load_results(out)[1], sft_dir, sft_eval, fingerprint, out)
     meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
             "snapshots": a.snapshots,
             "overrides": a.overrides, "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
-            "sft_eval": sft_eval, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "sft_eval": sft_eval, "sft_sha256": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed, skipped = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
     if nointr and skipped:  # the deadline came first: the interrupt=none runs are for a later sitting too
         skipped.append("eta{best}-dec-nointr for every seed")
@@ -1002,7 +1037,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     meta["sweeps"] = before.get("sweeps", []) + [{k: meta[k] for k in (
         "started", "finished", "variants", "seeds", "steps", "overrides", "load_before", "load_after", "failed",
-        "not_started")}]
+        "not_started", "sft_sha256")}]
     print(write_outputs(runs, out, meta))
     return 1 if failed else 0
 

@@ -382,3 +382,23 @@ def test_per_step_table_pairs_the_gap_to_sync_by_seed():
     assert rows["eta1-dec"][4] == "-0.050 ± 0.000 (2)" and rows["eta1-dec"][5].startswith("-0.050 ± 0.000 (2)")
     assert rows["stale1"][2] == "0.200 (1 seed)" and rows["stale1"][3] == "-" and rows["stale1"][4] == "+0.000 (1)"
     assert rows["stale1"][5].startswith("-")
+
+
+def test_a_later_sitting_must_start_from_the_same_sft_model(tmp_path):
+    """Sittings span machines whose runs/ was wiped: the SFT run is trained again and must be the same start."""
+    sft = tmp_path / "sft"
+    (sft / "final_hf").mkdir(parents=True)
+    (sft / "final_hf" / "model.safetensors").write_bytes(b"weights-a")
+    fp = bp.sft_fingerprint(sft)
+    ev = {"greedy": 0.6, "sampled_t1": 0.35, "problems": 128, "samples": 2, "steps": 1500, "train_s": 500.0}
+    bp.check_same_start({}, sft, ev, fp, tmp_path)  # nothing recorded: any start
+    bp.check_same_start({"sft_sha256": fp, "sft_eval": ev}, sft, {**ev, "train_s": 9.0}, fp, tmp_path)
+    (sft / "final_hf" / "model.safetensors").write_bytes(b"weights-b")
+    other = bp.sft_fingerprint(sft)
+    assert other != fp
+    with pytest.raises(SystemExit, match="not the one the runs in .* started from"):
+        bp.check_same_start({"sft_sha256": fp, "sft_eval": ev}, sft, ev, other, tmp_path)
+    # recorded before fingerprints existed: the deterministic held-out evaluation decides (its time does not)
+    bp.check_same_start({"sft_eval": ev}, sft, {**ev, "train_s": 600.0}, other, tmp_path)
+    with pytest.raises(SystemExit, match="evaluates"):
+        bp.check_same_start({"sft_eval": ev}, sft, {**ev, "greedy": 0.59}, other, tmp_path)
