@@ -11,7 +11,10 @@ the root-cause controls of issue 35; and the long-tail sweep (--sweep longtail: 
     python tools/bench_paper.py --from-results benchmarks/paper          # figures and table again, no runs
 
 First the SFT model (`mega-async sft -c configs/addition_sft_cpu.yaml`, once: skipped when its final_hf/
-exists), then one `mega-async train` per (variant, seed) from it. Variants (names; `--variants` picks some):
+exists), then one `mega-async train` per (variant, seed) from it. The long-tail sweeps start from the SFT model
+shipped in benchmarks/sft/countdown/ (trained once; the SFT's outcome depends on the CPU's floating-point
+kernels, so training it again on another machine gives another start): a later sitting is refused unless its
+SFT weights have the sha256 meta.json recorded. Each run records its CPU (`cpu`). Variants (names; `--variants` picks some):
   sync                     max_staleness 0
   eta{E}-dec / eta{E}-ppo  asynchronous at eta E in 1, 2, 4, 8, 16; decoupled objective (prox_logp=recompute)
                            or naive PPO (prox_logp=behavior: the clip is centred on the behaviour policy)
@@ -114,13 +117,13 @@ SWEEPS = {  # name -> the defaults of its arguments (each may be overridden on t
               "sft_dir": "runs/addition_sft/run0", "out": "benchmarks/paper", "runs_dir": "runs/bench_paper_runs",
               "steps": 150, "target": 0.7, "variants": None},
     "longtail": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
-                 "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail",
+                 "sft_dir": "benchmarks/sft/countdown", "out": "benchmarks/longtail",
                  "runs_dir": "runs/bench_longtail_runs", "steps": 150, "target": 0.5, "snapshots": SNAPSHOT_EVERY,
                  "variants": "sync,eta1-dec,eta2-dec,eta4-dec,eta8-dec,eta4-ppo,eta8-ppo"},
     # item 4: the long-tail headline on the real SGLang engine (its CPU build: tools/install_sglang_cpu.sh), sync
     # against the eta of the long-tail sweep that reached sync's final accuracy soonest (best_eta), 3 seeds
     "longtail-sglang": {"config": "configs/countdown_rl_cpu.yaml", "sft_config": "configs/countdown_sft_cpu.yaml",
-                        "sft_dir": "runs/countdown_sft/run0", "out": "benchmarks/longtail_sglang",
+                        "sft_dir": "benchmarks/sft/countdown", "out": "benchmarks/longtail_sglang",
                         "runs_dir": "runs/bench_longtail_sglang_runs", "steps": 150, "target": 0.5,
                         "snapshots": SNAPSHOT_EVERY, "variants": None, "seeds": "1,2,3", "engine": ["inference.backend=sglang"],
                         "best_from": "benchmarks/longtail"},
@@ -341,7 +344,7 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
         raise RuntimeError(f"run {trial} failed (exit {r.returncode}): {tail}")
     run_dir = runs_dir / "bench_paper" / trial
     history = read_metrics(run_dir)
-    out = {**v, "seed": seed, "steps": a.steps, "process_s": round(time.monotonic() - t0, 2),
+    out = {**v, "seed": seed, "steps": a.steps, "cpu": cpu_identity(), "process_s": round(time.monotonic() - t0, 2),
            **run_figures(history, a.target)}
     out["diag"].update(interruptions(run_dir))
     out["final_eval"] = final_eval(run_dir / "final_hf", sft_dir / "eval.jsonl", seed)
@@ -349,6 +352,29 @@ def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[st
         out["heldout_curve"] = heldout_curve(run_dir / "hf_snapshots", history, sft_dir / "eval.jsonl")
     out["total_s"] = round(time.monotonic() - t0, 2)  # the run and its scoring: what a sitting's deadline needs
     return out
+
+
+def cpu_identity() -> str:
+    """The CPU model this run had, with its widest vector extension: training numerics and speed depend on it, so
+    runs from different machines are told apart (timings compared within one machine; see the headline's
+    per-seed pairing)."""
+    name, fam, model, flags = "unknown", "?", "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, val = line.partition(":")
+            k, val = k.strip(), val.strip()
+            if k == "model name" and name == "unknown":
+                name = val
+            elif k == "cpu family" and fam == "?":
+                fam = val
+            elif k == "model" and model == "?":
+                model = val
+            elif k == "flags" and not flags:
+                flags = set(val.split())
+    except OSError:
+        pass
+    isa = next((x for x in ("avx512f", "avx2", "avx", "sse4_2") if x in flags), "")
+    return f"{name} (family {fam} model {model}{', ' + isa if isa else ''})"
 
 
 def heldout_curve(snap_dir: Path, history: Sequence[dict], eval_file: Path) -> list[list[float]]:
@@ -628,9 +654,14 @@ def headline(runs: list[dict]) -> dict[str, Any]:
                 continue  # recorded without exports (--snapshots 0, or before them): the reward figures only
             th = [r["wall_s"] if name == "sync" else time_to_heldout(r["heldout_curve"], target_h) for r in rs]
             ti = t_interval(th)
+            # the same speed-up paired by seed: each seed's sync end over this variant's time at that seed (a seed's
+            # runs share a sitting, so a machine; where the seed's sync ran and the variant reached the target)
+            sync_end = {r["seed"]: r["wall_s"] for r in sync if r.get("heldout_curve")}
+            paired = [sync_end[r["seed"]] / t for r, t in zip(rs, th) if t and r["seed"] in sync_end]
             v.update({"time_to_sync_heldout_s": ti, "reached_heldout": sum(t is not None for t in th),
                       "heldout_runs": len(rs),
                       "heldout_speedup": sync_t / ti["mean"] if sync_t and ti["mean"] else None,
+                      "heldout_speedup_paired": t_interval(paired),
                       "heldout_equal_wall": t_interval([heldout_at_time(r["heldout_curve"], t_eq) for r in rs]),
                       "heldout_final": t_interval([(r.get("final_eval") or {}).get("greedy") for r in rs])})
     return {"sync_final_reward": target, "equal_wall_s": t_eq, "bound": bound, "bound_tail": bound_tail,
@@ -664,14 +695,15 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
                   f"the run; the mean of {HELDOUT_WINDOW} consecutive exports): sync's final held-out accuracy "
                   f"{h['sync_final_heldout']:.3f} (mean over seeds).", "",
                   "| variant | time to sync's final held-out s (seeds reaching; sync: its end) | speed-up over sync | "
-                  "held-out at "
-                  "equal wall time | final held-out |", "|---|---|---|---|---|"]
+                  "speed-up paired by seed | held-out at equal wall time | final held-out |", "|---|---|---|---|---|---|"]
         for name in order:
             v = h["variants"].get(name)
             if v is None or "time_to_sync_heldout_s" not in v:
                 continue
             lines.append(f"| {name} | {_ci(v['time_to_sync_heldout_s'], '{:.0f}')} ({v['reached_heldout']}/"
-                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'])}x | {_ci(v['heldout_equal_wall'])} | "
+                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'])}x | "
+                         f"{_ci(v['heldout_speedup_paired'], '{:.2f}x') if name != 'sync' else '-'} | "
+                         f"{_ci(v['heldout_equal_wall'])} | "
                          f"{_ci(v['heldout_final'])} |")
     return "\n".join(lines)
 
@@ -913,7 +945,11 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
             "engine (CPU)"}.get(meta.get("sweep"), "addition task")
     order = sorted({r["name"] for r in runs}, key=lambda n: (variant_order().get(n, 10**6), n))
     hl = headline_table(headline(runs), order, meta.get("snapshots"))
-    head = (f"# Table 2 ({task}): mean ± 95% Student-t half-width over seeds\n\n"
+    cpus: dict[str, int] = {}
+    for r in runs:
+        cpus[r.get("cpu") or "not recorded"] = cpus.get(r.get("cpu") or "not recorded", 0) + 1
+    machines = "Runs by CPU: " + "; ".join(f"{c}: {n}" for c, n in cpus.items()) + ".\n\n"
+    head = (f"# Table 2 ({task}): mean ± 95% Student-t half-width over seeds\n\n" + machines
             + (f"SFT start: held-out exact match greedy {sft['greedy']:.3f}, sampled (t=1) {sft['sampled_t1']:.3f} "
                f"over {sft['problems']} problems.\n\n" if sft else ""))
     (out / "table2.md").write_text(f"{head}{text}\n\n## Headline: time to sync's final reward, reward at equal wall "
@@ -1017,7 +1053,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     check_same_start(load_results(out)[1], sft_dir, sft_eval, fingerprint, out)
     meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
             "snapshots": a.snapshots,
-            "overrides": a.overrides, "cpus": os.cpu_count(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
+            "overrides": a.overrides, "cpus": os.cpu_count(), "cpu": cpu_identity(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
             "sft_eval": sft_eval, "sft_sha256": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed, skipped = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
     if nointr and skipped:  # the deadline came first: the interrupt=none runs are for a later sitting too
@@ -1037,7 +1073,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 finished=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     meta["sweeps"] = before.get("sweeps", []) + [{k: meta[k] for k in (
         "started", "finished", "variants", "seeds", "steps", "overrides", "load_before", "load_after", "failed",
-        "not_started", "sft_sha256")}]
+        "not_started", "sft_sha256", "cpu")}]
     print(write_outputs(runs, out, meta))
     return 1 if failed else 0
 

@@ -181,7 +181,9 @@ def test_aggregate_intervals_and_same_step():
 def test_table_and_figures_from_recorded_results(tmp_path):
     src = tmp_path / "rec"
     (src / "raw").mkdir(parents=True)
-    for r in recorded():
+    for i, r in enumerate(recorded()):
+        if i % 2:
+            r["cpu"] = "AMD EPYC (family 23 model 49, avx2)"  # the machine each run had; older results lack it
         (src / "raw" / f"{r['name']}_s{r['seed']}.json").write_text(json.dumps(r))
     (src / "meta.json").write_text(json.dumps({"target": 0.5, "sft_eval": {"greedy": 0.3, "sampled_t1": 0.2,
                                                                               "problems": 256}}))
@@ -189,6 +191,9 @@ def test_table_and_figures_from_recorded_results(tmp_path):
     assert bp.main(["--from-results", str(src), "--out", str(out)]) == 0
     text = (out / "table2.md").read_text()
     assert "SFT start: held-out exact match greedy 0.300" in text
+    n = len(recorded())
+    cpus = next(line for line in text.splitlines() if line.startswith("Runs by CPU: "))
+    assert f"AMD EPYC (family 23 model 49, avx2): {n // 2}" in cpus and f"not recorded: {n - n // 2}" in cpus
     assert "| eta4-ppo | 4 | naive PPO | abort | yes | 3 | 0.500 ± 0.000 |" in text
     assert "| sync | 0 | (same at eta 0) | abort | yes | 3 |" in text and "(3/3)" in text
     names = [line.split(" | ")[0][2:] for line in text.splitlines() if line.startswith("| ") and " | abort " in line
@@ -331,7 +336,16 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     assert bp.best_eta(runs) == 2
     table = bp.headline_table(h, ["sync", "eta2-dec"])
     assert "sync's final held-out accuracy 0.650" in table
-    assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 0.660 ± 0.000 | 0.660 ± 0.000 |" in table
+    assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 2.67x ± 0.00x | 0.660 ± 0.000 | 0.660 ± 0.000 |" in table
+    assert "| sync | 40 ± 0 (2/2) | 1.00x | - |" in table
+    # paired by seed: seed 2's runs on a machine half as fast (sync 80 s, the variant at 30 s): each seed's ratio
+    slow = [dict(r, wall_s=2 * r["wall_s"], heldout_curve=[[st, 2 * t, a] for st, t, a in r["heldout_curve"]])
+            if r["seed"] == 2 else r for r in runs]
+    e = bp.headline(slow)["variants"]["eta2-dec"]
+    assert e["heldout_speedup_paired"]["values"] == pytest.approx([40 / 15, 80 / 30])
+    assert e["heldout_speedup"] == pytest.approx(60 / 22.5)
+    lone = [r for r in slow if not (r["name"] == "sync" and r["seed"] == 2)]  # a seed without its sync: not paired
+    assert bp.headline(lone)["variants"]["eta2-dec"]["heldout_speedup_paired"]["values"] == pytest.approx([40 / 15])
     assert bp.plot_headline(runs, ["sync", "eta2-dec"], tmp_path / "headline.png").stat().st_size > 0
     assert bp.plot_headline([fake("sync", 1, eta=0)], ["sync"], tmp_path / "none.png") is None  # no exports
     # results recorded without exports beside ones with them (--snapshots 0, or older): reward figures only
