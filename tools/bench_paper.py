@@ -606,6 +606,44 @@ def reward_at_time(c: Sequence[Sequence[float]], t: float, window: int = TAIL) -
     return window_reward(c, i, window) if i is not None else None
 
 
+def overlap_bounds(ph: dict) -> tuple[Optional[float], Optional[float]]:
+    """The overlap bound from a sync run's phase times, (rollout + train) / max(rollout, train), and adjusted for
+    the long tail, (rollout + train) / max(rollout * busy, train); (None, None) without them."""
+    r_, t_, busy = ph.get("rollout_wait_s"), ph.get("train_s"), ph.get("gen_busy")
+    if r_ is None or t_ is None or max(r_, t_) <= 0:
+        return None, None
+    return (r_ + t_) / max(r_, t_), (r_ + t_) / max(r_ * (busy if busy is not None else 1.0), t_)
+
+
+def per_run_bounds(runs: list[dict]) -> list[dict[str, Any]]:
+    """Item 5, for every run: its step time against its seed's sync run (same seed, same sitting, so the same
+    machine), that sync run's overlap bound and long-tail bound, and the fraction of each the run achieves."""
+    sync = {r["seed"]: r for r in runs if r["name"] == "sync"}
+    order = variant_order()
+    rows = []
+    for r in sorted(runs, key=lambda r: (r["seed"], order.get(r["name"], 10**6), r["name"])):
+        s = sync.get(r["seed"])
+        if s is None or not r.get("curve") or not s.get("curve"):
+            continue
+        step, s_step = r["wall_s"] / len(r["curve"]), s["wall_s"] / len(s["curve"])
+        b, bt = overlap_bounds(s.get("phases") or {})
+        sp = s_step / step if step else None
+        rows.append({"run": f"{r['name']}_s{r['seed']}", "step_s": step, "sync_step_s": s_step, "speedup": sp,
+                     "bound": b, "bound_tail": bt, "of_bound": sp / b if sp and b else None,
+                     "of_tail_bound": sp / bt if sp and bt else None})
+    return rows
+
+
+def per_run_table(rows: list[dict]) -> str:
+    f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)  # noqa: E731
+    lines = ["| run | s / step | its seed's sync s / step | speed-up | bound (sync's phases) | long-tail bound | "
+             "of bound | of long-tail bound |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {f(r['step_s'])} | {f(r['sync_step_s'])} | {f(r['speedup'])}x | "
+                     f"{f(r['bound'])}x | {f(r['bound_tail'])}x | {f(r['of_bound'])} | {f(r['of_tail_bound'])} |")
+    return "\n".join(lines)
+
+
 def headline(runs: list[dict]) -> dict[str, Any]:
     """The sweep's headline against its sync runs: sync's final reward (mean over its seeds of the last TAIL
     steps) and per variant the time to reach it; with scored exports, sync's final held-out accuracy (mean over
@@ -624,11 +662,9 @@ def headline(runs: list[dict]) -> dict[str, Any]:
     R = [p["rollout_wait_s"] for p in ph if p.get("rollout_wait_s") is not None]
     T = [p["train_s"] for p in ph if p.get("train_s") is not None]
     busy = [p["gen_busy"] for p in ph if p.get("gen_busy") is not None]
-    bound = bound_tail = None
-    if R and T:
-        r_, t_ = statistics.fmean(R), statistics.fmean(T)
-        bound = (r_ + t_) / max(r_, t_)
-        bound_tail = (r_ + t_) / max(r_ * (statistics.fmean(busy) if busy else 1.0), t_)
+    bound, bound_tail = overlap_bounds({"rollout_wait_s": statistics.fmean(R) if R else None,
+                                        "train_s": statistics.fmean(T) if T else None,
+                                        "gen_busy": statistics.fmean(busy) if busy else None})
     sync_step = statistics.fmean(r["wall_s"] / len(r["curve"]) for r in sync)
     per: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["name"] for r in runs):
@@ -956,6 +992,8 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
                                    f"time, overlap bound\n\n{hl}\n\n"
                                    f"## Per step: train reward over the {TAIL} steps ending at each step, and the gap "
                                    f"to sync\n\n{per_step_table(runs)}\n\n"
+                                   f"## Per run: the overlap bound from its seed's sync run and the fraction "
+                                   f"achieved\n\n{per_run_table(per_run_bounds(runs))}\n\n"
                                    f"{json.dumps({k: v for k, v in meta.items() if k != 'sft_eval'})}\n")
     if any(r.get("diag") for r in runs):
         (out / "diagnostics.md").write_text(

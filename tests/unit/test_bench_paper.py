@@ -416,3 +416,25 @@ def test_a_later_sitting_must_start_from_the_same_sft_model(tmp_path):
     bp.check_same_start({"sft_eval": ev}, sft, {**ev, "train_s": 600.0}, other, tmp_path)
     with pytest.raises(SystemExit, match="evaluates"):
         bp.check_same_start({"sft_eval": ev}, sft, {**ev, "greedy": 0.59}, other, tmp_path)
+
+
+def test_every_run_gets_its_seeds_sync_bound_and_the_fraction_achieved():
+    """Item 5 per run: the bound from the same seed's sync run (its own phase times), and the run's speed-up per
+    step over that sync run as a fraction of it; a seed without a sync run has no row."""
+    runs = [with_phases(fake("sync", 1, eta=0, rewards=(0.2,) * 10, wall=20.0), 1.5, 0.5, 0.4),  # 2 s / step
+            with_phases(fake("sync", 2, eta=0, rewards=(0.2,) * 10, wall=40.0), 3.0, 1.0, 0.5),  # a slower machine
+            fake("eta1-dec", 1, eta=1, rewards=(0.2,) * 10, wall=10.0),
+            fake("eta1-dec", 2, eta=1, rewards=(0.2,) * 10, wall=25.0),
+            fake("eta1-dec", 3, eta=1, rewards=(0.2,) * 10, wall=10.0)]
+    assert bp.overlap_bounds({"rollout_wait_s": 1.5, "train_s": 0.5, "gen_busy": 0.4}) == pytest.approx(
+        (2.0 / 1.5, 2.0 / 0.6))
+    assert bp.overlap_bounds({"rollout_wait_s": None, "train_s": 1.0}) == (None, None)
+    rows = {r["run"]: r for r in bp.per_run_bounds(runs)}
+    assert set(rows) == {"sync_s1", "eta1-dec_s1", "sync_s2", "eta1-dec_s2"}
+    a, b = rows["eta1-dec_s1"], rows["eta1-dec_s2"]
+    assert a["speedup"] == pytest.approx(2.0) and a["bound"] == pytest.approx(4 / 3)
+    assert a["of_bound"] == pytest.approx(1.5) and a["of_tail_bound"] == pytest.approx(2.0 / (2.0 / 0.6))
+    assert b["speedup"] == pytest.approx(1.6) and b["bound_tail"] == pytest.approx(4.0 / 1.5)
+    assert rows["sync_s1"]["speedup"] == pytest.approx(1.0)
+    text = bp.per_run_table(bp.per_run_bounds(runs))
+    assert "| eta1-dec_s2 | 2.50 | 4.00 | 1.60x | 1.33x | 2.67x | 1.20 | 0.60 |" in text
