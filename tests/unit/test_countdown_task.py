@@ -1,5 +1,7 @@
 """The countdown task (mega_async.data.countdown, reward.countdown): the long-tailed task of issue 35."""
+import json
 import statistics
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -61,3 +63,9 @@ def test_sft_and_rl_configs_load(tok):
         load_sft_config("configs/countdown_sft_cpu.yaml", ["task.max_count=1000"])
     rl = load_config("configs/countdown_rl_cpu.yaml")
     assert rl.rollout.max_new_tokens > 300 and rl.data.reward.endswith("countdown_reward")
+    # it starts from the shipped SFT model, which is there and is the task's (its prompts are countdown problems)
+    assert Path(rl.model.path, "model.safetensors").is_file() and Path(rl.data.path).is_file()
+    row = json.loads(Path(rl.data.path).read_text().splitlines()[0])
+    a, b = row["prompt"].rstrip(":").split(">")
+    nums = row["answer"].split(",")
+    assert tok.decode(row["input_ids"]) == row["prompt"] and (nums[0], nums[-1]) == (a, b)
