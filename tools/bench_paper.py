@@ -28,8 +28,9 @@ SFT weights have the sha256 meta.json recorded. Each run records its CPU (`cpu`)
   ...-lr4 / ...-mb1        sync, eta1-dec and stale1 at a quarter of the config's learning rate / with one PPO
                            mini-batch (trainer.ppo_n_minibatches=1)
 --sweep longtail: the countdown task (configs/countdown_{sft,rl}_cpu.yaml): sync, eta 1, 2, 4, 8 decoupled, naive
-PPO at eta 4 and 8, then interrupt=none at the eta with the shortest time to sync's final reward (decided from
-the results once the others are done; --nointr-eta forces one).
+PPO at eta 4 and 8, and interrupt=none at the eta with the shortest time to sync's final accuracy (decided from
+the results once the first sitting's seeds have their other runs, then kept in meta.json as best_eta and run
+within every later seed; --nointr-eta forces one).
 Every table also gives the headline figures: time to sync's final reward (the first step whose TAIL-step reward
 reaches the mean final reward of the sync runs) and the reward at equal wall time (at the shortest run's wall
 clock), and the overlap bound from the sync runs' own phase times with the fraction of it each variant achieves.
@@ -139,7 +140,8 @@ def sweep_variants(sweep_name: str) -> list[dict[str, Any]]:
 def real_engine_variants(best_from: Path) -> str:
     """longtail-sglang's default --variants: sync and the decoupled eta that reached sync's final accuracy soonest
     in the long-tail sweep on the embedded server (its results under `best_from`; best_eta)."""
-    eta = best_eta(load_results(best_from)[0])
+    runs, meta = load_results(best_from)
+    eta = meta.get("best_eta") or best_eta(runs)  # the one the long-tail sweep decided and kept, else from its runs
     if eta is None:
         raise SystemExit(f"bench_paper: --sweep longtail-sglang runs sync against the best eta of the long-tail sweep, "
                          f"and {best_from} has no finished asynchronous run with its sync runs yet: run --sweep longtail first, "
@@ -503,23 +505,35 @@ def sweep(variants: list[dict], seeds: Sequence[int], out: Path, runner: Callabl
           deadline: Optional[float] = None, clock: Callable[[], float] = time.time
           ) -> tuple[list[dict], list[str], list[str]]:
     """Every (variant, seed) whose raw result is missing, seeds outermost (a drift in machine load hits every
-    variant alike); returns (all results found or made, failures, runs not started). Each result is written as it
-    finishes. With a `deadline` (a `clock()` time), no run starts that would end after it, judged by the longest
-    run this call made so far, else the longest recorded under `out` (its total_s, scoring included; process_s
-    for older results): a sweep spread over several sittings stops between runs, losing none."""
+    variant alike; a seed's runs share a sitting, so a machine, and pair with its sync run); returns (all results
+    found or made, failures, runs not started). Each result is written as it finishes. With a `deadline` (a
+    `clock()` time), a seed none of whose missing runs has started yet starts only if all of them fit before it,
+    and no run starts that would end after it. A run is expected to take what that variant took at most, this call
+    or as recorded under `out` (total_s, scoring included; process_s for older results), else the longest run
+    of any variant: a sweep spread over several sittings stops between seeds, losing none."""
     results, failed, skipped = [], [], []
-    took: list[float] = []
+    took: dict[str, float] = {}
     recorded = [json.loads(p.read_text()) for p in sorted((out / "raw").glob("*.json"))] if deadline else []
-    before = max((float(r.get("total_s") or r.get("process_s") or 0.0) for r in recorded), default=0.0)
+    for r in recorded:
+        took[r["name"]] = max(took.get(r["name"], 0.0), float(r.get("total_s") or r.get("process_s") or 0.0))
+
+    def expect(name: str) -> float:
+        return took.get(name) or max(took.values(), default=0.0)
+
     for seed in seeds:
+        todo = [v for v in variants if not raw_path(out, v["name"], seed).exists()]
+        if deadline is not None and todo and not skipped and clock() + sum(expect(v["name"]) for v in todo) > deadline:
+            skipped += [f"{v['name']}_s{seed}" for v in todo]  # the whole seed is for a later sitting
         for v in variants:
             p = raw_path(out, v["name"], seed)
             if p.exists():
                 results.append(json.loads(p.read_text()))
                 continue
-            expect = max(took) if took else before
-            if skipped or (deadline is not None and clock() + expect > deadline):
-                skipped.append(f"{v['name']}_s{seed}")
+            name = f"{v['name']}_s{seed}"
+            if name in skipped:
+                continue
+            if skipped or (deadline is not None and clock() + expect(v["name"]) > deadline):
+                skipped.append(name)
                 continue
             t0 = clock()
             try:
@@ -529,7 +543,7 @@ def sweep(variants: list[dict], seeds: Sequence[int], out: Path, runner: Callabl
                 failed.append(f"{v['name']}_s{seed}: {e}")
                 continue
             finally:
-                took.append(clock() - t0)
+                took[v["name"]] = max(took.get(v["name"], 0.0), clock() - t0)
             p.parent.mkdir(parents=True, exist_ok=True)
             tmp = p.with_suffix(".json.tmp")
             tmp.write_text(json.dumps(r) + "\n")
@@ -615,15 +629,21 @@ def overlap_bounds(ph: dict) -> tuple[Optional[float], Optional[float]]:
     return (r_ + t_) / max(r_, t_), (r_ + t_) / max(r_ * (busy if busy is not None else 1.0), t_)
 
 
+def same_machine(a: dict, b: dict) -> bool:
+    """Whether two runs ran on the same kind of CPU (as far as recorded: results from before `cpu` pair)."""
+    return not a.get("cpu") or not b.get("cpu") or a["cpu"] == b["cpu"]
+
+
 def per_run_bounds(runs: list[dict]) -> list[dict[str, Any]]:
     """Item 5, for every run: its step time against its seed's sync run (same seed, same sitting, so the same
-    machine), that sync run's overlap bound and long-tail bound, and the fraction of each the run achieves."""
+    machine; a run whose recorded CPU differs from that sync run's has no row), that sync run's overlap bound and
+    long-tail bound, and the fraction of each the run achieves."""
     sync = {r["seed"]: r for r in runs if r["name"] == "sync"}
     order = variant_order()
     rows = []
     for r in sorted(runs, key=lambda r: (r["seed"], order.get(r["name"], 10**6), r["name"])):
         s = sync.get(r["seed"])
-        if s is None or not r.get("curve") or not s.get("curve"):
+        if s is None or not r.get("curve") or not s.get("curve") or not same_machine(r, s):
             continue
         step, s_step = r["wall_s"] / len(r["curve"]), s["wall_s"] / len(s["curve"])
         b, bt = overlap_bounds(s.get("phases") or {})
@@ -691,9 +711,11 @@ def headline(runs: list[dict]) -> dict[str, Any]:
             th = [r["wall_s"] if name == "sync" else time_to_heldout(r["heldout_curve"], target_h) for r in rs]
             ti = t_interval(th)
             # the same speed-up paired by seed: each seed's sync end over this variant's time at that seed (a seed's
-            # runs share a sitting, so a machine; where the seed's sync ran and the variant reached the target)
-            sync_end = {r["seed"]: r["wall_s"] for r in sync if r.get("heldout_curve")}
-            paired = [sync_end[r["seed"]] / t for r, t in zip(rs, th) if t and r["seed"] in sync_end]
+            # runs share a sitting, so a machine; where the seed's sync ran on the same CPU and the variant reached
+            # the target)
+            sync_of = {r["seed"]: r for r in sync if r.get("heldout_curve")}
+            paired = [sync_of[r["seed"]]["wall_s"] / t for r, t in zip(rs, th)
+                      if t and r["seed"] in sync_of and same_machine(r, sync_of[r["seed"]])]
             v.update({"time_to_sync_heldout_s": ti, "reached_heldout": sum(t is not None for t in th),
                       "heldout_runs": len(rs),
                       "heldout_speedup": sync_t / ti["mean"] if sync_t and ti["mean"] else None,
@@ -1075,7 +1097,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             for v in variants:
                 print(" ".join(train_command(v, seed, a, runs_dir, sft_dir)))
         if nointr:
-            print(f"# then eta{{E}}-dec-nointr for every seed, E = {a.nointr_eta or 'the best eta from the results'}")
+            known = a.nointr_eta or load_results(out)[1].get("best_eta")
+            later = "the best eta from the results, once the seeds' main runs are done"
+            print(f"# and eta{{E}}-dec-nointr for every seed, E = {known or later}")
         return 0
     deadline = until(a.until) if a.until else None
     backend = [o.split("=", 1)[1] for o in a.overrides if o.startswith("inference.backend=")]
@@ -1088,21 +1112,31 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise SystemExit(f"bench_paper: {e}") from None
     sft_dir, sft_eval = ensure_sft(a)
     fingerprint = sft_fingerprint(sft_dir)
-    check_same_start(load_results(out)[1], sft_dir, sft_eval, fingerprint, out)
+    recorded = load_results(out)[1]
+    check_same_start(recorded, sft_dir, sft_eval, fingerprint, out)
+    # the interrupt=none runs' eta: decided once (the first sitting to finish its seeds' main runs), then kept in
+    # meta.json, so every seed's interrupt=none run is at the same eta and runs within its seed, on its machine
+    best = a.nointr_eta or recorded.get("best_eta")
+    if nointr and best is not None:
+        variants = variants + pick(universe, f"eta{best}-dec-nointr")
     meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
             "snapshots": a.snapshots,
             "overrides": a.overrides, "cpus": os.cpu_count(), "cpu": cpu_identity(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
             "sft_eval": sft_eval, "sft_sha256": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed, skipped = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
-    if nointr and skipped:  # the deadline came first: the interrupt=none runs are for a later sitting too
+    if nointr and best is None and skipped:  # the deadline came first: the interrupt=none runs are for later too
         skipped.append("eta{best}-dec-nointr for every seed")
-    elif nointr:  # interrupt=none at the eta that reached sync's final accuracy soonest (best_eta)
-        eta = a.nointr_eta or best_eta(load_results(out)[0])
-        if eta is not None:
-            extra = pick(universe, f"eta{eta}-dec-nointr")
+    elif nointr and best is None:  # interrupt=none at the eta that reached sync's final accuracy soonest (best_eta)
+        best = best_eta(load_results(out)[0])
+        if best is not None:
+            extra = pick(universe, f"eta{best}-dec-nointr")
             variants += extra
             _, more, skipped = sweep(extra, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
             failed += more
+    if nointr and best is not None:
+        meta["best_eta"] = best
+    elif recorded.get("best_eta") is not None:
+        meta["best_eta"] = recorded["best_eta"]
     runs, before = load_results(out)  # everything recorded so far, this sweep's and earlier ones
     if not runs:
         print(f"bench_paper: no run finished ({len(failed)} failed); nothing to draw", file=sys.stderr)

@@ -119,11 +119,33 @@ def test_a_deadline_stops_the_sweep_between_runs(tmp_path):
         return fake(v["name"], seed, eta=v["eta"])
 
     results, failed, skipped = bp.sweep(variants, [1, 2], tmp_path, runner, deadline=1095.0, clock=lambda: now[0])
-    # eta4-dec_s1 starts (1000 + 40 recorded <= 1095), sync_s2 does not (1050 + 50 > 1095), nor anything after it
+    # eta4-dec_s1 starts (1000 + 40 recorded <= 1095); seed 2 does not (1050 + sync's 40 + eta4-dec's 50 > 1095)
     assert calls == [("eta4-dec", 1)] and not failed and skipped == ["sync_s2", "eta4-dec_s2"]
     assert len(results) == 2 and not (tmp_path / "raw" / "sync_s2.json").exists()
     results, failed, skipped = bp.sweep(variants, [1, 2], tmp_path, runner, deadline=None, clock=lambda: now[0])
     assert calls[1:] == [("sync", 2), ("eta4-dec", 2)] and not skipped and len(results) == 4
+
+
+def test_a_deadline_starts_a_seed_only_if_all_its_runs_fit(tmp_path):
+    """A seed's runs share a sitting (so a machine, for the pairing with its sync run): a seed starts only if its
+    missing runs fit before the deadline together, each expected to take what its variant took at most."""
+    variants = bp.pick(bp.all_variants(), "sync,eta4-dec")
+    (tmp_path / "raw").mkdir()
+    for name, took in (("sync", 60.0), ("eta4-dec", 30.0)):
+        (tmp_path / "raw" / f"{name}_s1.json").write_text(json.dumps({**fake(name, 1), "total_s": took}))
+    now, calls = [1000.0], []
+
+    def runner(v, seed):
+        calls.append((v["name"], seed))
+        now[0] += {"sync": 60.0, "eta4-dec": 30.0}[v["name"]]
+        return fake(v["name"], seed, eta=v["eta"])
+
+    # seed 2 needs 90 s: it starts at 1000 with a deadline of 1090, and not at 1000 with 1080, though its first run
+    # alone (60 s) would fit: the seed waits for a sitting that can hold it whole
+    _, _, skipped = bp.sweep(variants, [1, 2], tmp_path, runner, deadline=1080.0, clock=lambda: now[0])
+    assert not calls and skipped == ["sync_s2", "eta4-dec_s2"]
+    _, _, skipped = bp.sweep(variants, [1, 2, 3], tmp_path, runner, deadline=1090.0, clock=lambda: now[0])
+    assert calls == [("sync", 2), ("eta4-dec", 2)] and skipped == ["sync_s3", "eta4-dec_s3"]
 
 
 def test_a_deadline_judges_a_first_run_by_every_recorded_one(tmp_path):
@@ -295,6 +317,9 @@ def test_the_real_engine_headline_runs_sync_against_the_best_eta(tmp_path, capsy
             r["reward_final"] = 0.6
             (best / "raw" / f"{name}_s{seed}.json").write_text(json.dumps(r))
     assert bp.real_engine_variants(best) == "sync,eta4-dec"  # eta 4 reaches 0.6 first
+    (best / "meta.json").write_text(json.dumps({"best_eta": 2}))  # what the long-tail sweep decided and kept wins
+    assert bp.real_engine_variants(best) == "sync,eta2-dec"
+    (best / "meta.json").unlink()
     monkeypatch.setitem(bp.SWEEPS["longtail-sglang"], "best_from", str(best))
     assert bp.main(["--sweep", "longtail-sglang", "--dry-run", "--out", str(tmp_path / "o")]) == 0
     cmds = [x for x in capsys.readouterr().out.splitlines() if not x.startswith("#")]
@@ -346,6 +371,8 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     assert e["heldout_speedup"] == pytest.approx(60 / 22.5)
     lone = [r for r in slow if not (r["name"] == "sync" and r["seed"] == 2)]  # a seed without its sync: not paired
     assert bp.headline(lone)["variants"]["eta2-dec"]["heldout_speedup_paired"]["values"] == pytest.approx([40 / 15])
+    moved = [dict(r, cpu="cpu B" if r["name"] == "sync" and r["seed"] == 2 else "cpu A") for r in slow]
+    assert bp.headline(moved)["variants"]["eta2-dec"]["heldout_speedup_paired"]["values"] == pytest.approx([40 / 15])
     assert bp.plot_headline(runs, ["sync", "eta2-dec"], tmp_path / "headline.png").stat().st_size > 0
     assert bp.plot_headline([fake("sync", 1, eta=0)], ["sync"], tmp_path / "none.png") is None  # no exports
     # results recorded without exports beside ones with them (--snapshots 0, or older): reward figures only
@@ -438,3 +465,42 @@ def test_every_run_gets_its_seeds_sync_bound_and_the_fraction_achieved():
     assert rows["sync_s1"]["speedup"] == pytest.approx(1.0)
     text = bp.per_run_table(bp.per_run_bounds(runs))
     assert "| eta1-dec_s2 | 2.50 | 4.00 | 1.60x | 1.33x | 2.67x | 1.20 | 0.60 |" in text
+    runs[3]["cpu"], runs[1]["cpu"] = "cpu B", "cpu A"  # seed 2's async run on another machine than its sync run
+    assert "eta1-dec_s2" not in {r["run"] for r in bp.per_run_bounds(runs)}
+    runs[3]["cpu"] = "cpu A"
+    assert "eta1-dec_s2" in {r["run"] for r in bp.per_run_bounds(runs)}
+
+
+def test_the_interrupt_none_eta_is_decided_once_and_run_within_every_later_seed(tmp_path, monkeypatch):
+    """The long-tail sweep's interrupt=none runs: after the first sitting's seeds have their other runs, at the eta
+    that reached sync's final reward first; kept in meta.json (best_eta), so a later sitting runs it inside each of
+    its seeds (same machine as that seed's sync run) and never picks another eta."""
+    sft = tmp_path / "sft"
+    (sft / "final_hf").mkdir(parents=True)
+    (sft / "final_hf" / "model.safetensors").write_bytes(b"w")
+    ev = {"greedy": 0.7, "sampled_t1": 0.4, "problems": 128, "samples": 2, "steps": 10}
+    monkeypatch.setattr(bp, "ensure_sft", lambda a: (sft, ev))
+    calls = []
+    fast = {"sync": 3, "eta1-dec": 2, "eta2-dec": 1}  # the step at which each first has sync's final reward
+
+    def run(v, seed, a, sft_dir):
+        calls.append((v["name"], seed))
+        k = fast.get(v["name"], 4)
+        r = fake(v["name"], seed, eta=v["eta"], objective=v["objective"], interrupt=v["interrupt"],
+                 rewards=(0.2,) * k + (0.6,) * (7 - k), wall=7.0)
+        r["reward_final"] = 0.6 if v["name"] == "sync" else r["reward_final"]
+        return r
+
+    monkeypatch.setattr(bp, "run_one", run)
+    out = tmp_path / "lt"
+    assert bp.main(["--sweep", "longtail", "--seeds", "1", "--out", str(out)]) == 0
+    assert calls[-1] == ("eta2-dec-nointr", 1) and len(calls) == 8
+    assert json.loads((out / "meta.json").read_text())["best_eta"] == 2
+    fast["eta4-dec"] = 0  # seed 2 alone would now rank eta 4 first: the kept eta is used all the same
+    calls.clear()
+    assert bp.main(["--sweep", "longtail", "--seeds", "2", "--out", str(out)]) == 0
+    assert [c[0] for c in calls] == ["sync", "eta1-dec", "eta2-dec", "eta4-dec", "eta8-dec", "eta4-ppo",
+                                     "eta8-ppo", "eta2-dec-nointr"]
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["best_eta"] == 2 and [len(x["variants"]) for x in meta["sweeps"]] == [8, 8]
+    assert meta["sft_sha256"] == bp.sft_fingerprint(sft) and meta["sweeps"][1]["cpu"] == bp.cpu_identity()
