@@ -28,9 +28,9 @@ SFT weights have the sha256 meta.json recorded. Each run records its CPU (`cpu`)
   ...-lr4 / ...-mb1        sync, eta1-dec and stale1 at a quarter of the config's learning rate / with one PPO
                            mini-batch (trainer.ppo_n_minibatches=1)
 --sweep longtail: the countdown task (configs/countdown_{sft,rl}_cpu.yaml): sync, eta 1, 2, 4, 8 decoupled, naive
-PPO at eta 4 and 8, and interrupt=none at the eta with the shortest time to sync's final accuracy (decided from
-the results once the first sitting's seeds have their other runs, then kept in meta.json as best_eta and run
-within every later seed; --nointr-eta forces one).
+PPO at eta 4 and 8, and interrupt=none and interrupt=in_place at the eta with the shortest time to sync's final
+accuracy (decided from the results once the first sitting's seeds have their other runs, then kept in meta.json as
+best_eta and run within every later seed; --nointr-eta forces one).
 Every table also gives the headline figures: time to sync's final reward (the first step whose TAIL-step reward
 reaches the mean final reward of the sync runs) and the reward at equal wall time (at the shortest run's wall
 clock), and the overlap bound from the sync runs' own phase times with the fraction of it each variant achieves.
@@ -1041,7 +1041,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--list", action="store_true", help="print the variants and exit")
     ap.add_argument("--dry-run", action="store_true", help="print every run's command line and exit; nothing runs")
     ap.add_argument("--nointr-eta", type=int, default=None,
-                    help="longtail: the eta of the interrupt=none run (default: the best eta, from the results)")
+                    help="longtail: the eta of the interrupt=none and in_place runs (default: the best eta, decided once "
+                         "from the results and kept in meta.json)")
     ap.add_argument("--seeds", default=None, help="comma-separated (default: the sweep's: 1-5, longtail-sglang 1-3)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--target", type=float, default=None, help="reward for time-to-target (3-step mean)")
@@ -1099,7 +1100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if nointr:
             known = a.nointr_eta or load_results(out)[1].get("best_eta")
             later = "the best eta from the results, once the seeds' main runs are done"
-            print(f"# and eta{{E}}-dec-nointr for every seed, E = {known or later}")
+            print(f"# and eta{{E}}-dec-nointr, eta{{E}}-dec-inplace for every seed, E = {known or later}")
         return 0
     deadline = until(a.until) if a.until else None
     backend = [o.split("=", 1)[1] for o in a.overrides if o.startswith("inference.backend=")]
@@ -1114,22 +1115,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     fingerprint = sft_fingerprint(sft_dir)
     recorded = load_results(out)[1]
     check_same_start(recorded, sft_dir, sft_eval, fingerprint, out)
-    # the interrupt=none runs' eta: decided once (the first sitting to finish its seeds' main runs), then kept in
-    # meta.json, so every seed's interrupt=none run is at the same eta and runs within its seed, on its machine
+    # the eta of the interrupt=none runs and of their in_place pair (interruptible without resending: the servers keep
+    # the interrupted requests' cache): decided once (the first sitting to finish its seeds' main runs), then kept
+    # in meta.json, so every seed runs them at the same eta, within its seed, on its machine
     best = a.nointr_eta or recorded.get("best_eta")
     if nointr and best is not None:
-        variants = variants + pick(universe, f"eta{best}-dec-nointr")
+        variants = variants + pick(universe, f"eta{best}-dec-nointr,eta{best}-dec-inplace")
     meta = {"sweep": a.sweep, "config": a.config, "steps": a.steps, "seeds": seeds, "target": a.target,
             "snapshots": a.snapshots,
             "overrides": a.overrides, "cpus": os.cpu_count(), "cpu": cpu_identity(), "load_before": os.getloadavg(), "sft_dir": str(sft_dir),
             "sft_eval": sft_eval, "sft_sha256": fingerprint, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _, failed, skipped = sweep(variants, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
     if nointr and best is None and skipped:  # the deadline came first: the interrupt=none runs are for later too
-        skipped.append("eta{best}-dec-nointr for every seed")
+        skipped.append("eta{best}-dec-nointr and eta{best}-dec-inplace for every seed")
     elif nointr and best is None:  # interrupt=none at the eta that reached sync's final accuracy soonest (best_eta)
         best = best_eta(load_results(out)[0])
         if best is not None:
-            extra = pick(universe, f"eta{best}-dec-nointr")
+            extra = pick(universe, f"eta{best}-dec-nointr,eta{best}-dec-inplace")
             variants += extra
             _, more, skipped = sweep(extra, seeds, out, lambda v, sd: run_one(v, sd, a, sft_dir), deadline)
             failed += more

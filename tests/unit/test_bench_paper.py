@@ -494,13 +494,13 @@ def test_the_interrupt_none_eta_is_decided_once_and_run_within_every_later_seed(
     monkeypatch.setattr(bp, "run_one", run)
     out = tmp_path / "lt"
     assert bp.main(["--sweep", "longtail", "--seeds", "1", "--out", str(out)]) == 0
-    assert calls[-1] == ("eta2-dec-nointr", 1) and len(calls) == 8
+    assert calls[-2:] == [("eta2-dec-nointr", 1), ("eta2-dec-inplace", 1)] and len(calls) == 9
     assert json.loads((out / "meta.json").read_text())["best_eta"] == 2
     fast["eta4-dec"] = 0  # seed 2 alone would now rank eta 4 first: the kept eta is used all the same
     calls.clear()
     assert bp.main(["--sweep", "longtail", "--seeds", "2", "--out", str(out)]) == 0
     assert [c[0] for c in calls] == ["sync", "eta1-dec", "eta2-dec", "eta4-dec", "eta8-dec", "eta4-ppo",
-                                     "eta8-ppo", "eta2-dec-nointr"]
+                                     "eta8-ppo", "eta2-dec-nointr", "eta2-dec-inplace"]
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["best_eta"] == 2 and [len(x["variants"]) for x in meta["sweeps"]] == [8, 8]
+    assert meta["best_eta"] == 2 and [len(x["variants"]) for x in meta["sweeps"]] == [9, 9]
     assert meta["sft_sha256"] == bp.sft_fingerprint(sft) and meta["sweeps"][1]["cpu"] == bp.cpu_identity()
