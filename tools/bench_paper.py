@@ -659,8 +659,9 @@ def per_run_table(rows: list[dict]) -> str:
     lines = ["| run | s / step | its seed's sync s / step | speed-up | bound (sync's phases) | long-tail bound | "
              "of bound | of long-tail bound |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {f(r['step_s'])} | {f(r['sync_step_s'])} | {f(r['speedup'])}x | "
-                     f"{f(r['bound'])}x | {f(r['bound_tail'])}x | {f(r['of_bound'])} | {f(r['of_tail_bound'])} |")
+        x = "{:.2f}x"
+        lines.append(f"| {r['run']} | {f(r['step_s'])} | {f(r['sync_step_s'])} | {f(r['speedup'], x)} | "
+                     f"{f(r['bound'], x)} | {f(r['bound_tail'], x)} | {f(r['of_bound'])} | {f(r['of_tail_bound'])} |")
     return "\n".join(lines)
 
 
@@ -734,9 +735,11 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
     if not h:
         return "(no sync runs: no headline)"
     f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)  # noqa: E731
+    x = "{:.2f}x"
     lines = [f"Sync's final reward {h['sync_final_reward']:.3f} (mean of its last {TAIL} steps over seeds); equal wall "
-             f"time {h['equal_wall_s']:.0f} s; overlap bound from sync's phases {f(h['bound'])}x, long-tail adjusted "
-             f"{f(h['bound_tail'])}x (sync waits for rollouts {f(h['sync_rollout_wait_frac'])} of rollout + train).",
+             f"time {h['equal_wall_s']:.0f} s; overlap bound from sync's phases {f(h['bound'], x)}, long-tail "
+             f"adjusted {f(h['bound_tail'], x)} (sync waits for rollouts {f(h['sync_rollout_wait_frac'])} of rollout "
+             "+ train).",
              "", "| variant | time to sync's final reward s (seeds reaching) | reward at equal wall time | s / step | "
              "speed-up per step | of bound | of long-tail bound |", "|---|---|---|---|---|---|---|"]
     for name in order:
@@ -745,7 +748,7 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
             continue
         n = v["step_s"]["n"]
         lines.append(f"| {name} | {_ci(v['time_to_sync_final_s'], '{:.0f}')} ({v['reached']}/{n}) | "
-                     f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'])}x | "
+                     f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'], '{:.2f}x')} | "
                      f"{f(v['fraction_of_bound'])} | {f(v['fraction_of_tail_bound'])} |")
     if h.get("sync_final_heldout") is not None:
         every = f"every {snapshots} steps" if snapshots else "at intervals"
@@ -759,7 +762,7 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
             if v is None or "time_to_sync_heldout_s" not in v:
                 continue
             lines.append(f"| {name} | {_ci(v['time_to_sync_heldout_s'], '{:.0f}')} ({v['reached_heldout']}/"
-                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'])}x | "
+                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'], '{:.2f}x')} | "
                          f"{_ci(v['heldout_speedup_paired'], '{:.2f}x') if name != 'sync' else '-'} | "
                          f"{_ci(v['heldout_equal_wall'])} | "
                          f"{_ci(v['heldout_final'])} |")

@@ -363,6 +363,8 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     assert "sync's final held-out accuracy 0.650" in table
     assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 2.67x ± 0.00x | 0.660 ± 0.000 | 0.660 ± 0.000 |" in table
     assert "| sync | 40 ± 0 (2/2) | 1.00x | - |" in table
+    never = [dict(r, heldout_curve=[[9, 5.0, 0.1], [19, 10.0, 0.1]]) if r["name"] == "eta2-dec" else r for r in runs]
+    assert "| eta2-dec | - (0/2) | - | - |" in bp.headline_table(bp.headline(never), ["sync", "eta2-dec"])  # no "-x"
     # paired by seed: seed 2's runs on a machine half as fast (sync 80 s, the variant at 30 s): each seed's ratio
     slow = [dict(r, wall_s=2 * r["wall_s"], heldout_curve=[[st, 2 * t, a] for st, t, a in r["heldout_curve"]])
             if r["seed"] == 2 else r for r in runs]
