@@ -50,3 +50,12 @@ def test_sweep_runner_on_a_two_step_config(tmp_path):
     before = {p: p.stat().st_mtime for p in (out / "raw").glob("*.json")}
     assert bp.main(argv) == 0  # resumed: both results exist, nothing runs again
     assert {p: p.stat().st_mtime for p in (out / "raw").glob("*.json")} == before
+    # each run records its machine, the sweep its start; the per-run bounds pair only a seed's sync run (none here)
+    assert a["cpu"] == bp.cpu_identity() and "Runs by CPU: " + bp.cpu_identity() + ": 2." in text
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["sft_sha256"] == bp.sft_fingerprint(sft) and len(meta["sweeps"]) == 2
+    assert "## Per run" in text
+    meta["sft_sha256"] = "0" * 64  # a later sitting from another SFT model is refused before it runs anything
+    (out / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(SystemExit, match="is not the one the runs in"):
+        bp.main(argv)
