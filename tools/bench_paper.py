@@ -43,8 +43,10 @@ from older versions) for curves and time to target; the final weights' exact mat
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import fnmatch
+import hashlib
 import json
 import math
 import os
@@ -447,8 +449,6 @@ def ensure_sft(a: argparse.Namespace) -> tuple[Path, dict]:
 
 def sft_fingerprint(sft_dir: Path) -> str:
     """sha256 over the SFT model's weight files (final_hf/*.safetensors, by name): which start the runs share."""
-    import hashlib
-
     h = hashlib.sha256()
     for f in sorted((sft_dir / "final_hf").glob("*.safetensors")):
         h.update(f.name.encode())
@@ -654,12 +654,19 @@ def per_run_bounds(runs: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
+TIMES = "{:.2f}x"  # a ratio in the tables
+
+
+def _num(x: Optional[float], fmt: str = "{:.2f}") -> str:
+    """A table cell: the number in `fmt`, or "-" where there is none."""
+    return "-" if x is None else fmt.format(x)
+
+
 def per_run_table(rows: list[dict]) -> str:
-    f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)  # noqa: E731
+    f, x = _num, TIMES
     lines = ["| run | s / step | its seed's sync s / step | speed-up | bound (sync's phases) | long-tail bound | "
              "of bound | of long-tail bound |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        x = "{:.2f}x"
         lines.append(f"| {r['run']} | {f(r['step_s'])} | {f(r['sync_step_s'])} | {f(r['speedup'], x)} | "
                      f"{f(r['bound'], x)} | {f(r['bound_tail'], x)} | {f(r['of_bound'])} | {f(r['of_tail_bound'])} |")
     return "\n".join(lines)
@@ -734,8 +741,7 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
     and the fraction of the overlap bound it achieves."""
     if not h:
         return "(no sync runs: no headline)"
-    f = lambda x, fmt="{:.2f}": "-" if x is None else fmt.format(x)  # noqa: E731
-    x = "{:.2f}x"
+    f, x = _num, TIMES
     lines = [f"Sync's final reward {h['sync_final_reward']:.3f} (mean of its last {TAIL} steps over seeds); equal wall "
              f"time {h['equal_wall_s']:.0f} s; overlap bound from sync's phases {f(h['bound'], x)}, long-tail "
              f"adjusted {f(h['bound_tail'], x)} (sync waits for rollouts {f(h['sync_rollout_wait_frac'])} of rollout "
@@ -748,7 +754,7 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
             continue
         n = v["step_s"]["n"]
         lines.append(f"| {name} | {_ci(v['time_to_sync_final_s'], '{:.0f}')} ({v['reached']}/{n}) | "
-                     f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'], '{:.2f}x')} | "
+                     f"{_ci(v['acc_equal_wall'])} | {_ci(v['step_s'], '{:.2f}')} | {f(v['speedup'], x)} | "
                      f"{f(v['fraction_of_bound'])} | {f(v['fraction_of_tail_bound'])} |")
     if h.get("sync_final_heldout") is not None:
         every = f"every {snapshots} steps" if snapshots else "at intervals"
@@ -762,8 +768,8 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
             if v is None or "time_to_sync_heldout_s" not in v:
                 continue
             lines.append(f"| {name} | {_ci(v['time_to_sync_heldout_s'], '{:.0f}')} ({v['reached_heldout']}/"
-                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'], '{:.2f}x')} | "
-                         f"{_ci(v['heldout_speedup_paired'], '{:.2f}x') if name != 'sync' else '-'} | "
+                         f"{v['heldout_runs']}) | {f(v['heldout_speedup'], x)} | "
+                         f"{_ci(v['heldout_speedup_paired'], x) if name != 'sync' else '-'} | "
                          f"{_ci(v['heldout_equal_wall'])} | "
                          f"{_ci(v['heldout_final'])} |")
     return "\n".join(lines)
@@ -1006,9 +1012,7 @@ def write_outputs(runs: list[dict], out: Path, meta: dict) -> str:
             "engine (CPU)"}.get(meta.get("sweep"), "addition task")
     order = sorted({r["name"] for r in runs}, key=lambda n: (variant_order().get(n, 10**6), n))
     hl = headline_table(headline(runs), order, meta.get("snapshots"))
-    cpus: dict[str, int] = {}
-    for r in runs:
-        cpus[r.get("cpu") or "not recorded"] = cpus.get(r.get("cpu") or "not recorded", 0) + 1
+    cpus = collections.Counter(r.get("cpu") or "not recorded" for r in runs)
     machines = "Runs by CPU: " + "; ".join(f"{c}: {n}" for c, n in cpus.items()) + ".\n\n"
     head = (f"# Table 2 ({task}): mean ± 95% Student-t half-width over seeds\n\n" + machines
             + (f"SFT start: held-out exact match greedy {sft['greedy']:.3f}, sampled (t=1) {sft['sampled_t1']:.3f} "
