@@ -72,6 +72,11 @@ class InferenceConfig:
     # up on); it serves again once it has the current weights (0: never restarted)
     max_server_restarts: int = 3
     extra_args: list[str] = field(default_factory=list)  # passed through to sglang.launch_server
+    # the radix (prefix) cache of the servers the run launches: None = the backend's default (the embedded server
+    # keeps it; real SGLang servers get --disable-radix-cache, as AReaL launches them); true / false: both backends.
+    # Weight updates flush it either way, so it saves prefill only within a version (a group's shared prompt,
+    # multi-turn sessions), never for a request resent after an abort
+    radix_cache: Optional[bool] = None
     # launch an installed SGLang outside the tested release range (mega_async.inference.sglang_releases)
     allow_untested_sglang: bool = False
     # a router in front of the servers (docs/inference.md, "A router in front"): none | smg (the run starts smg in
@@ -108,6 +113,12 @@ class InferenceConfig:
         _positive("inference.max_retries", self.max_retries, allow_zero=True)
         _positive("inference.unhealthy_timeout", self.unhealthy_timeout)
         _positive("inference.max_server_restarts", self.max_server_restarts, allow_zero=True)
+        if self.radix_cache is not None and not isinstance(self.radix_cache, bool):
+            raise ConfigError(f"inference.radix_cache={self.radix_cache!r}: give true, false, or leave it out (the "
+                              "backend's default)")
+        if self.radix_cache and "--disable-radix-cache" in self.extra_args:
+            raise ConfigError("inference.radix_cache=true and --disable-radix-cache in inference.extra_args contradict "
+                              "each other: drop the flag, or set inference.radix_cache=false")
 
 
 @dataclass

@@ -58,6 +58,7 @@ class ServerSpec:
     extra_args: Sequence[str] = field(default_factory=list)
     allow_untested_sglang: bool = False  # launch an installed SGLang outside the tested release range
     device: Optional[str] = None  # real SGLang: "cpu" on a machine without a GPU (mega_async.inference.sglang_cpu)
+    radix_cache: Optional[bool] = None  # None: the backend's default (embedded on; real SGLang off, as AReaL)
     python: Optional[str] = None  # real SGLang's interpreter; None: engine_python() (this one when it has SGLang)
 
 
@@ -117,7 +118,7 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
         entry = "mega_async.inference.sglang_entry" if spec.api_key else "sglang.launch_server"
         cmd = [spec.python or sys.executable, "-m", entry, "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
-               "--skip-server-warmup", "--disable-radix-cache"]
+               "--skip-server-warmup"]
         if spec.base_gpu_id is not None:
             cmd += ["--base-gpu-id", str(spec.base_gpu_id + index * spec.tp_size)]
         if spec.ep_size > 1:
@@ -134,6 +135,9 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
             cmd += sglang_cpu.cpu_args(spec.extra_args, spec.dtype)
     else:
         raise ValueError(f"backend {spec.backend!r}: use embedded or sglang")
+    off = spec.radix_cache is False or (spec.radix_cache is None and spec.backend == "sglang")
+    if off and "--disable-radix-cache" not in spec.extra_args:
+        cmd += ["--disable-radix-cache"]
     return cmd + list(spec.extra_args)
 
 

@@ -137,7 +137,7 @@ class InferenceService:
             spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=api_key(cfg),
                               tp_size=tp, ep_size=ep,
                               dtype=cfg.model.dtype, seed=cfg.seed, extra_args=_extra_args(cfg),
-                              allow_untested_sglang=inf.allow_untested_sglang,
+                              allow_untested_sglang=inf.allow_untested_sglang, radix_cache=inf.radix_cache,
                               weights_root=str(weights_root) if weights_root else None,
                               base_gpu_id=gpu,
                               # no GPU here: real SGLang's CPU engine (mega_async.inference.sglang_cpu)

@@ -43,6 +43,9 @@ def test_yaml_then_overrides(tmp_path):
         (["rollout.max_staleness"], "is not key=value"),
         (["parallel.allocation=megatron:x2"], "parallel.allocation='megatron:x2': megatron: unknown dimension 'x'"),
         (["parallel.allocation=megatron:(attn:d2p2|ffn:d4p1)"], "parallel.allocation='megatron:(attn:d2p2|ffn:d4p1)'"),
+        (["inference.radix_cache=true", "inference.extra_args=[--disable-radix-cache]"],
+         "inference.radix_cache=true and --disable-radix-cache in inference.extra_args contradict"),
+        (["inference.radix_cache=maybe"], "inference.radix_cache"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):

@@ -66,6 +66,17 @@ def test_cpu_config_asks_for_no_gpus(capsys, tmp_path):
     assert "TRAINER_RANKS=1" in script and "--no-requeue" in script
 
 
+def test_the_radix_cache_setting_reaches_slurm_servers(capsys):
+    """inference.radix_cache is passed to the servers the job script starts, as to those a run starts."""
+    lines = {}
+    for radix in ("null", "true"):
+        rc, script, err = dry_run(capsys, "qwen3_30b_a3b_gsm8k_2x8.yaml", f"inference.radix_cache={radix}")
+        assert rc == 0, err
+        lines[radix] = re.findall(r"sglang\.launch_server .*", script)
+    assert lines["null"] and all("--disable-radix-cache" in x for x in lines["null"])
+    assert lines["true"] and not any("--disable-radix-cache" in x for x in lines["true"])
+
+
 @pytest.mark.parametrize("args,message", [
     (["--nodes", "3"], "takes 2 nodes of 8 GPUs (1 for 1 server(s), 1 for the trainer) but --nodes=3"),
     (["launch.gpu_memory_gib=80"], "holds 71.5 GiB of weights, grads and Adam state per GPU, over 75% of a 80 GiB"),

@@ -120,6 +120,23 @@ def test_a_cpu_server_command_has_the_cpu_flags_unless_extra_args_set_them():
     assert "--device" not in gpu and "--sleep-on-idle" not in gpu
 
 
+def test_the_radix_cache_setting_reaches_both_backends():
+    """inference.radix_cache: None keeps each backend's default (embedded on, real SGLang off as AReaL launches it);
+    true turns it on for real SGLang too (which has no flag to enable it: the off flag is left out), false off for
+    both, and a flag already in extra_args is not given twice."""
+    def flags(backend, radix, extra=()):
+        cmd = servers.server_command(servers.ServerSpec(backend, "/m", radix_cache=radix, extra_args=list(extra)), 1)
+        return cmd.count("--disable-radix-cache")
+
+    assert [flags("embedded", r) for r in (None, True, False)] == [0, 0, 1]
+    assert [flags("sglang", r) for r in (None, True, False)] == [1, 0, 1]
+    assert flags("sglang", None, ["--disable-radix-cache"]) == flags("embedded", False, ["--disable-radix-cache"]) == 1
+    from mega_async.config import load_config
+
+    assert load_config(None, ["inference.radix_cache=true"]).inference.radix_cache is True
+    assert load_config(None, []).inference.radix_cache is None
+
+
 def test_a_cpu_servers_environment():
     spec = servers.ServerSpec("sglang", "/m", device="cpu", num_servers=2, num_threads=3, api_key="k")
     env = servers.server_env(spec)

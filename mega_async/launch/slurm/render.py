@@ -42,6 +42,7 @@ def server_argv(plan: JobPlan, cfg: RunConfig, index: int, run_dir: Path) -> lis
                       tp_size=s.gpus, ep_size=s.ep, dtype=cfg.model.dtype, seed=cfg.seed,
                       api_key="__API_KEY__" if key else None, extra_args=[] if embedded else list(cfg.inference.extra_args),
                       weights_root=str(run_dir / "weights") if embedded else None,
+                      radix_cache=getattr(cfg.inference, "radix_cache", None),
                       dp_size=s.dp_attention, enable_dp_attention=s.dp_attention > 1,
                       num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None)
     cmd = server_command(spec, "__PORT__", index)  # type: ignore[arg-type]
