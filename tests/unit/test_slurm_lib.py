@@ -40,3 +40,90 @@ def test_every_rank_that_said_why_in_rank_order(tmp_path):
 def test_no_rank_line_falls_back_to_the_driver_log(tmp_path):
     out = trainer_error(tmp_path, {"driver.log": "step 0\nKilled\nbye\n", "trainer_rank1.log": "step 0\n"})
     assert out == "last error in logs/driver.log: Killed"
+
+
+SERVER_SH = LIB.parent / "server.sh"
+
+
+def start_server_sh(tmp_path: Path, command: list, taken_port: int, taken_times: int, tries: int = 5):
+    """server.sh as srun runs it on a node, with a $PYTHON whose free_port answers `taken_port` (held by the test)
+    the first `taken_times` times: the port another process took between the ask and the server's bind."""
+    import os
+    import sys
+
+    (tmp_path / "logs" / "addresses").mkdir(parents=True)
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/bash\nif [[ "$*" == *free_port* ]]; then n=$(cat {tmp_path}/asked 2>/dev/null || echo 0)\n'
+                    f'  echo $((n + 1)) >{tmp_path}/asked\n'
+                    f'  if ((n < {taken_times})); then echo {taken_port}; exit 0; fi\nfi\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(tmp_path), "PYTHON": str(fake), "SLURMD_NODENAME": "127.0.0.1",
+           "MA_INDEX": "0", "MA_PORT_TRIES": str(tries), "TMPDIR": str(tmp_path),
+           "PYTHONPATH": str(LIB.parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    log = open(tmp_path / "server0.log", "wb")
+    return subprocess.Popen(["bash", str(SERVER_SH), *command], env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def test_server_sh_starts_again_on_another_port_when_its_port_was_taken(tmp_path):
+    """The free-port-then-bind window of the job script: the server's first port is taken before it binds it;
+    server.sh starts it again on another, rewrites the address the job waits on, and the server serves."""
+    import os
+    import signal
+    import socket
+    import sys
+    import time
+    import urllib.request
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    cmd = [sys.executable, "-m", "http.server", "--bind", "__HOST__", "__PORT__", "--directory", str(tmp_path)]
+    p = start_server_sh(tmp_path, cmd, taken, taken_times=2)
+    try:
+        addr_file = tmp_path / "logs" / "addresses" / "server0"
+        body = None
+        for _ in range(300):  # at most 30 s
+            assert p.poll() is None, (tmp_path / "server0.log").read_text()
+            addr = addr_file.read_text().strip() if addr_file.exists() else ""
+            if addr and not addr.endswith(f":{taken}"):
+                try:
+                    body = urllib.request.urlopen(f"http://{addr}/logs/", timeout=2).read()
+                    break
+                except OSError:
+                    pass
+            time.sleep(0.1)
+        assert body is not None and b"addresses" in body
+        log = (tmp_path / "server0.log").read_text()
+        assert log.count(f"port {taken} was taken before it bound it") == 2 and "(try 3 of 5)" in log
+        assert "Address already in use" in log  # the server's own words still reach the step's log
+    finally:
+        os.killpg(p.pid, signal.SIGTERM)  # as srun signals the step
+        rc = p.wait(timeout=30)
+        holder.close()
+    assert rc != 0 and "try 4" not in (tmp_path / "server0.log").read_text()  # a signal is no reason to retry
+    assert not list(tmp_path.glob("ma_server0_*"))  # its scratch file is gone
+
+
+def test_server_sh_gives_up_after_its_tries_and_never_retries_other_failures(tmp_path):
+    import socket
+    import sys
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    try:
+        serve = [sys.executable, "-m", "http.server", "--bind", "__HOST__", "__PORT__"]
+        p = start_server_sh(tmp_path / "a", serve, taken, taken_times=99, tries=2)
+        assert p.wait(timeout=60) != 0
+        log = (tmp_path / "a" / "server0.log").read_text()
+        assert "(try 2 of 2)" in log and "try 3" not in log and log.count("was taken before it bound it") == 1
+        crash = [sys.executable, "-c", "import sys; print('bad model'); sys.exit(3)", "__PORT__"]
+        p = start_server_sh(tmp_path / "b", crash, taken, taken_times=0)
+        assert p.wait(timeout=60) == 3
+        log = (tmp_path / "b" / "server0.log").read_text()
+        assert "bad model" in log and "try 2" not in log
+    finally:
+        holder.close()

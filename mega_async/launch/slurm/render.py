@@ -73,14 +73,14 @@ def _router_lines(plan: JobPlan) -> list[str]:
     if not plan.router:
         return []
     first = plan.servers[0].nodes[0]
-    return [
+    return [  # through server.sh: its port picked on its node, started again if that port is taken first
         f'ROUTER_NODE=${{NODES[{first}]}}',
-        'ROUTER_ADDR="$(ma_node_addr "$ROUTER_NODE")"; ROUTER_PORT="$(ma_free_port "$ROUTER_NODE")"',
         'WORKER_URLS=(); for a in "${ADDRESSES[@]}"; do WORKER_URLS+=("http://$a"); done',
         'ma_start router "$RUN_DIR/logs/router.log" "$ROUTER_NODE" --nodes=1 --ntasks=1 --nodelist="$ROUTER_NODE" -- \\',
-        '  "$PYTHON" -m sglang_router.launch_router --host "$ROUTER_ADDR" --port "$ROUTER_PORT" --worker-urls "${WORKER_URLS[@]}"',
-        'echo "$ROUTER_ADDR:$ROUTER_PORT" >"$RUN_DIR/logs/addresses/router"',
-        'ma_log "sglang_router at $ROUTER_ADDR:$ROUTER_PORT in front of ${#ADDRESSES[@]} servers"',
+        '  env MA_NAME=router bash "$LAUNCH_DIR/server.sh" "$PYTHON" -m sglang_router.launch_router --host __HOST__ '
+        '--port __PORT__ --worker-urls "${WORKER_URLS[@]}"',
+        'ma_wait_healthy router "$STARTUP_TIMEOUT" "$SECONDS"',
+        'ma_log "sglang_router at $ADDR in front of ${#ADDRESSES[@]} servers"',
     ]
 
 

@@ -97,25 +97,33 @@ ma_trainer_error() {
   fi
 }
 
-# wait until every server wrote its address and answers /health; a server that exits first fails the job
+# wait until component $1 wrote its address (logs/addresses/$1) and answers /health there (ADDR: that address); a
+# component that exits first, or is not healthy after $2 seconds since $3 (SECONDS), fails the job. The address is
+# read again on every try: server.sh rewrites it when it starts the server again on another port
+ma_wait_healthy() {
+  local name=$1 timeout=$2 t0=$3
+  while :; do
+    ma_alive "$name" || ma_fail "$name" "exited before it became healthy"
+    if [ -s "$RUN_DIR/logs/addresses/$name" ]; then
+      ADDR=$(cat "$RUN_DIR/logs/addresses/$name")
+      if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(f"http://{sys.argv[1]}/health", timeout=2)' \
+          "$ADDR" 2>/dev/null; then
+        return 0
+      fi
+    fi
+    ((SECONDS - t0 < timeout)) || ma_fail "$name" "not healthy after ${timeout}s"
+    sleep 1
+  done
+}
+
+# wait until every server is healthy (ADDRESSES: their addresses, in order)
 ma_wait_servers() {
-  local n=$1 timeout=$2 t0=$SECONDS i addr
+  local n=$1 timeout=$2 t0=$SECONDS i
   ADDRESSES=()
   for ((i = 0; i < n; i++)); do
-    while :; do
-      ma_alive "server$i" || ma_fail "server$i" "exited before it became healthy"
-      if [ -s "$RUN_DIR/logs/addresses/server$i" ]; then
-        addr=$(cat "$RUN_DIR/logs/addresses/server$i")
-        if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(f"http://{sys.argv[1]}/health", timeout=2)' \
-            "$addr" 2>/dev/null; then
-          break
-        fi
-      fi
-      ((SECONDS - t0 < timeout)) || ma_fail "server$i" "not healthy after ${timeout}s"
-      sleep 1
-    done
-    ADDRESSES+=("$addr")
-    ma_log "server$i healthy at $addr"
+    ma_wait_healthy "server$i" "$timeout" "$t0"
+    ADDRESSES+=("$ADDR")
+    ma_log "server$i healthy at $ADDR"
   done
 }
 
