@@ -32,11 +32,20 @@ def init_distributed(backend: Optional[str] = None) -> None:
     if "RANK" not in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:  # srun: one task per rank
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ.get("SLURM_LOCALID", "0"))
-        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-            raise RuntimeError("srun with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT")
+        if "MASTER_ADDR" not in os.environ or not ({"MASTER_PORT", PORT_FILE_ENV} & set(os.environ)):
+            raise RuntimeError("srun with several tasks: export MASTER_ADDR (the first node) and MASTER_PORT, or "
+                               f"{PORT_FILE_ENV} (a file on a shared filesystem where rank 0 publishes its port)")
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" not in os.environ and PORT_FILE_ENV in os.environ \
+            and world > 1:  # the Slurm job: rank 0's store binds a port the kernel picks, and says which
+        from mega_async.comm import pin_gloo_interface
+
+        pin_gloo_interface(os.environ["MASTER_ADDR"])
+        store = published_store(os.environ["MASTER_ADDR"], os.environ[PORT_FILE_ENV], rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        return
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / Slurm
         if world > 1:  # gloo groups (the default on CPU, the control group always) across hosts
             from mega_async.comm import pin_gloo_interface
@@ -57,6 +66,46 @@ def init_distributed(backend: Optional[str] = None) -> None:
         except RuntimeError as e:  # the port was taken between free_port() and the store's bind: another one
             if attempt == PORT_ATTEMPTS or not lost_the_port(str(e)):
                 raise
+
+
+PORT_FILE_ENV = "MEGA_ASYNC_MASTER_PORT_FILE"
+
+
+def published_store(host: str, port_file: str, rank: int, world: int, timeout_s: Optional[float] = None) -> Any:
+    """The ranks' rendezvous store without a port chosen in advance: rank 0 binds port 0 (the kernel picks a free
+    one, so no other process can take it between choosing and binding, as with a MASTER_PORT asked for earlier)
+    and writes it to `port_file` (a shared filesystem; written whole, then renamed); the other ranks wait for the
+    file, at most `timeout_s` (MEGA_ASYNC_MASTER_PORT_WAIT, default 900 s), then connect."""
+    import datetime
+    import time
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MEGA_ASYNC_MASTER_PORT_WAIT", 900))
+    limit = datetime.timedelta(seconds=max(timeout_s, 300.0))
+    path = Path(port_file)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world, is_master=True, timeout=limit, wait_for_workers=False)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(f"{store.port}\n")
+        os.replace(tmp, path)
+        return store
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            text = ""
+        if text:
+            if not text.isdigit() or not 0 < int(text) < 65536:
+                raise RuntimeError(f"{port_file}: {text[:40]!r} is not a port; rank 0 writes its port there "
+                                   f"({PORT_FILE_ENV}): remove the file and start the job again")
+            return dist.TCPStore(host, int(text), world, is_master=False, timeout=limit)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank}: rank 0 did not publish its rendezvous port in {port_file} within "
+                               f"{timeout_s:g}s ({PORT_FILE_ENV}); see rank 0's log (driver.log)")
+        time.sleep(0.2)
 
 
 def control_group(timeout_s: float = 24 * 3600.0) -> Any:

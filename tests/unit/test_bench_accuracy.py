@@ -37,6 +37,21 @@ def test_addition_scenario_loads_and_bad_sections_are_refused(tmp_path):
             bench.load_scenario(p)
 
 
+def test_countdown_scenario_starts_from_the_shipped_sft_and_is_in_the_baseline():
+    """Item 6 of issue 35: the long-tail task is gated nightly. It trains from the shipped start (an SFT trained on
+    the night's machine moves with its CPU), and the checked-in baseline has it, so its figures are judged."""
+    from omegaconf import OmegaConf
+
+    s = bench.load_scenario(ROOT / "configs" / "bench" / "countdown.yaml")
+    assert s.sft is None and s.accuracy == {"target": 0.5, "window": 3}
+    rl = OmegaConf.load(ROOT / s.train["config"])
+    assert rl.model.path == "benchmarks/sft/countdown/final_hf" and (ROOT / rl.model.path / "config.json").exists()
+    assert {"accuracy_at_step", "time_to_accuracy_s", "gen_len_max_over_median"} <= set(s.figures)
+    base = json.loads((ROOT / "benchmarks" / "baselines" / "cpu.json").read_text())["scenarios"]["countdown"]
+    assert set(s.figures) <= set(base["figures"])
+    assert all(base["figures"][f]["median"] is not None for f in s.figures)
+
+
 def test_prepare_sft_reuses_a_finished_run(tmp_path):
     cfg = tmp_path / "sft.yaml"
     cfg.write_text("trainer: {total_steps: 3}\n")
