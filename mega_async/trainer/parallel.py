@@ -81,9 +81,10 @@ def published_store(host: str, port_file: str, rank: int, world: int, timeout_s:
     from pathlib import Path
 
     import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
 
     timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MEGA_ASYNC_MASTER_PORT_WAIT", 900))
-    limit = datetime.timedelta(seconds=max(timeout_s, 300.0))
+    limit = max(default_pg_timeout, datetime.timedelta(seconds=timeout_s))  # the store's, as env:// gives it
     path = Path(port_file)
     if rank == 0:
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=limit, wait_for_workers=False)
