@@ -116,6 +116,11 @@ class InferenceConfig:
         if self.radix_cache is not None and not isinstance(self.radix_cache, bool):
             raise ConfigError(f"inference.radix_cache={self.radix_cache!r}: give true, false, or leave it out (the "
                               "backend's default)")
+        if self.radix_cache is not None and (self.addresses or self.backend == "simulated"):
+            why = ("inference.addresses names servers already running: start them with or without "
+                   "--disable-radix-cache yourself" if self.addresses else "the simulated engine has no cache")
+            raise ConfigError(f"inference.radix_cache={str(self.radix_cache).lower()} is for the servers the run "
+                              f"launches; {why}, and leave inference.radix_cache out")
         if self.radix_cache and "--disable-radix-cache" in self.extra_args:
             raise ConfigError("inference.radix_cache=true and --disable-radix-cache in inference.extra_args contradict "
                               "each other: drop the flag, or set inference.radix_cache=false")

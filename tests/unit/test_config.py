@@ -46,6 +46,8 @@ def test_yaml_then_overrides(tmp_path):
         (["inference.radix_cache=true", "inference.extra_args=[--disable-radix-cache]"],
          "inference.radix_cache=true and --disable-radix-cache in inference.extra_args contradict"),
         (["inference.radix_cache=maybe"], "inference.radix_cache"),
+        (["inference.radix_cache=false", "inference.addresses=[h:1]"],
+         "inference.radix_cache=false is for the servers the run launches; inference.addresses names servers"),
     ],
 )
 def test_bad_values_name_the_key(overrides, needle):
