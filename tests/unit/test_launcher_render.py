@@ -75,6 +75,7 @@ def test_the_radix_cache_setting_reaches_slurm_servers(capsys):
         lines[radix] = re.findall(r"sglang\.launch_server .*", script)
     assert lines["null"] and all("--disable-radix-cache" in x for x in lines["null"])
     assert lines["true"] and not any("--disable-radix-cache" in x for x in lines["true"])
+    assert "inference.radix_cache=null" in script  # the trainer, given the job's servers, is not refused
 
 
 @pytest.mark.parametrize("args,message", [
