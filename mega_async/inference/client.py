@@ -368,6 +368,7 @@ class SGLangClient:
         self._load: list[tuple[int, int]] = []  # heap of (in_flight, server index); stale entries skipped
         self._index = {id(s): i for i, s in enumerate(self.servers)}
         self._suspects: set[int] = set()  # indices of servers this client marked unhealthy (probed until back)
+        self.moved: dict[str, str] = {}  # servers started again at another address: first address -> current one
         self._in_flight = 0  # over every server
         self._served: Optional[str] = None  # the weight_version this client's last weight sync set on the servers
         self._group: Optional[list[_Server]] = None  # the servers of the current weight-update group
@@ -689,12 +690,19 @@ class SGLangClient:
             raise ValueError(f"{new} is already one of this client's servers")
         for s in self._named([old]):
             logger.warning("server %s is now at %s (started again at another port)", s.address, new)
+            self.moved = {k: (new if v == s.address else v) for k, v in self.moved.items()}
+            self.moved.setdefault(s.address, new)
             s.address = new
             s.last_probe = 0.0
 
-    def adopt(self, addresses: Sequence[str]) -> None:
+    def adopt(self, addresses: Sequence[str], moved: Optional[dict[str, str]] = None) -> None:
         """Servers named elsewhere (rank 0 names a pipeline stage head's group members) that this client does not
-        know yet, such as one rank 0's client saw started again at another address: added, for control calls."""
+        know yet: added, for control calls. `moved` (rank 0's `moved`) first takes a server this client knows at
+        an address it has left to its new one, so the moved server is not kept twice."""
+        for old, new in (moved or {}).items():
+            at = {s.address for s in self.servers}
+            if self._norm(old) in at and self._norm(new) not in at:
+                self.readdress(old, new)
         known = {s.address for s in self.servers}
         new = list(dict.fromkeys(a for a in map(self._norm, addresses) if a not in known))
         if new:

@@ -34,6 +34,27 @@ def test_adopt_adds_only_the_servers_it_does_not_know():
     assert len(c.servers) == 2
 
 
+def test_a_later_stage_head_takes_a_moved_server_to_its_new_address_instead_of_keeping_both():
+    """Rank 0's client saw server 2 started again at another port, twice; a later pipeline stage head's client
+    (which still knows it at its first address) gets rank 0's members and `moved`, and keeps it once."""
+    rank0 = SGLangClient(["127.0.0.1:1001", "127.0.0.1:1002"])
+    rank0.readdress("127.0.0.1:1002", "127.0.0.1:2002")
+    rank0.readdress("127.0.0.1:2002", "127.0.0.1:3002")
+    assert rank0.moved == {"http://127.0.0.1:1002": "http://127.0.0.1:3002",
+                           "http://127.0.0.1:2002": "http://127.0.0.1:3002"}
+    head = SGLangClient(["127.0.0.1:1001", "127.0.0.1:1002"])
+    head.adopt(rank0.addresses, moved=rank0.moved)
+    assert head.addresses == rank0.addresses == ["http://127.0.0.1:1001", "http://127.0.0.1:3002"]
+    head.adopt(rank0.addresses, moved=rank0.moved)  # again: nothing changes
+    assert head.addresses == rank0.addresses
+    fresh = SGLangClient(["127.0.0.1:1001", "127.0.0.1:2002"])  # it knew the middle address
+    fresh.adopt(rank0.addresses, moved=rank0.moved)
+    assert fresh.addresses == rank0.addresses
+    plain = SGLangClient(["127.0.0.1:1001", "127.0.0.1:1002"])
+    plain.adopt(rank0.addresses)  # without `moved`: as before, both (what the fix is for)
+    assert len(plain.servers) == 3
+
+
 def test_port_free_sees_a_listener_but_not_a_closed_one():
     port = free_port()
     assert port_free("127.0.0.1", port)

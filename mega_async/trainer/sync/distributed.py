@@ -91,6 +91,7 @@ class DistributedWeightSync(WeightSync):
         self._init_error: Optional[str] = None
         self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
         self._fleet_checked: set[str] = set()  # data_plane="none": servers checked to be simulated ones
+        self._moved: dict[str, str] = {}  # rank 0's client's moved servers, as rank 0 last sent them
         self._group_on_servers = False  # the servers were told of a group this side has left
         self._slowest_bucket: Optional[float] = None  # the longest a bucket took so far (broadcast and replies)
         # rank 0: servers that came back behind, each with the future its recovery waits on (catch_up sets it)
@@ -132,8 +133,8 @@ class DistributedWeightSync(WeightSync):
         if early:
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(early))
-        members = from_rank0([s.address for s in self.client.sync_targets()]
-                             if self.rollout is not None and self.client is not None else None, self.group)
+        members = self._members_from_rank0([s.address for s in self.client.sync_targets()]
+                                           if self.rollout is not None and self.client is not None else None)
         if self.resharder.is_stage_head:
             try:
                 if not members and self.rollout is not None:
@@ -154,6 +155,13 @@ class DistributedWeightSync(WeightSync):
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
 
+    def _members_from_rank0(self, members: Optional[list[str]]) -> Optional[list[str]]:
+        """Rank 0's group members (None: no group to build) on every rank, with its client's moved servers (first
+        address -> current one), which a later stage head applies before it adopts the members."""
+        moved = dict(getattr(self.client, "moved", {})) if members is not None and self.rollout is not None else {}
+        members, self._moved = from_rank0((members, moved), self.group)
+        return members
+
     def _membership(self) -> None:
         """Every rank, before a push: rank 0 decides whether the weight-update groups must be built again (a
         member is down, a server came back with a new process or behind, or a failed sync dropped the group),
@@ -164,7 +172,7 @@ class DistributedWeightSync(WeightSync):
             addrs = [s.address for s in targets]
             if self.pg is None or addrs != self.client.group_members or any(s.rejoin for s in targets):
                 want = addrs
-        want = from_rank0(want, self.group)
+        want = self._members_from_rank0(want)
         if want is None:
             return
         if not want:
@@ -293,7 +301,7 @@ class DistributedWeightSync(WeightSync):
         if addresses is None:
             addresses = [s.address for s in self.client.sync_targets()]
         elif self.rollout is None:  # a later stage's head: rank 0 names the members, one may have moved meanwhile
-            self.client.adopt(addresses)
+            self.client.adopt(addresses, moved=self._moved)
         if self.data_plane == "none":
             return self._init_control_plane_only(address, port, addresses)
         fut = self._loop.submit(self.client.init_weights_update_group(
