@@ -1053,7 +1053,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seeds", default=None, help="comma-separated (default: the sweep's: 1-5, longtail-sglang 1-3)")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--target", type=float, default=None, help="reward for time-to-target (3-step mean)")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="the output directory (default: the sweep's; with --from-results, "
+                                                "the results' own directory)")
     ap.add_argument("--runs-dir", default=None)
     ap.add_argument("--from-results", default=None, help="an output directory or runs.json: redraw, run nothing")
     ap.add_argument("--diagnose", action="store_true", help="with --from-results DIR: add the objective's diagnostics "
@@ -1068,6 +1069,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                                   "the same command later continues")
     ap.add_argument("overrides", nargs="*", help="extra dotted overrides for every run")
     a = ap.parse_args(argv)
+    if a.from_results and a.out is None:  # redrawn where the results are, never over the default sweep's tables
+        src = Path(a.from_results)
+        a.out = str(src.parent if src.suffix == ".json" else src)
     defaults = SWEEPS[a.sweep]
     for k in SWEEP_ARGS:
         if getattr(a, k) is None:

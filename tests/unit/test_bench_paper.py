@@ -227,6 +227,12 @@ def test_table_and_figures_from_recorded_results(tmp_path):
     assert len(saved["runs"]) == len(recorded())
     assert bp.main(["--from-results", str(out / "runs.json"), "--out", str(tmp_path / "again")]) == 0
     assert (tmp_path / "again" / "table2.md").read_text() == text
+    before = {p: p.read_bytes() for p in (bp.ROOT / "benchmarks" / "paper").iterdir() if p.is_file()}
+    (out / "table2.md").unlink()
+    assert bp.main(["--from-results", str(out / "runs.json")]) == 0  # no --out: in place, not over benchmarks/paper
+    assert (out / "table2.md").read_text() == text
+    assert bp.main(["--from-results", str(src)]) == 0 and (src / "table2.md").read_text() == text  # a raw/ folder
+    assert {p: p.read_bytes() for p in (bp.ROOT / "benchmarks" / "paper").iterdir() if p.is_file()} == before
 
 
 def test_diagnostics_backfilled_from_the_runs_metrics(tmp_path):
