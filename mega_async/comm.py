@@ -37,6 +37,54 @@ def port_free(host: str, port: int) -> bool:
         return True
 
 
+def listens(port: int, pid: int) -> Optional[bool]:
+    """Whether process `pid` or one of its descendants holds the listening TCP socket on `port` (any address,
+    IPv4 or IPv6), read from /proc; None where this cannot be told (no /proc/net/tcp). A process that only asked
+    for a free port may find another one listening there: this tells its own listener from the other's."""
+    inodes: set[str] = set()
+    readable = False
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        readable = True
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    if not readable:
+        return None
+    if not inodes:
+        return False
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:  # the parent pid is the 2nd field after the command's closing parenthesis
+                ppid = int(Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        if p not in tree:
+            tree.add(p)
+            todo.extend(children.get(p, []))
+    for p in tree:
+        try:
+            fds = os.listdir(f"/proc/{p}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{p}/fd/{fd}") in inodes:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
 PORT_ATTEMPTS = 3  # a process started at a free_port() that another process took meanwhile: tries with a new one
 
 

@@ -57,7 +57,10 @@ def start_server_sh(tmp_path: Path, command: list, taken_port: int, taken_times:
                     f'  echo $((n + 1)) >{tmp_path}/asked\n'
                     f'  if ((n < {taken_times})); then echo {taken_port}; exit 0; fi\nfi\nexec {sys.executable} "$@"\n')
     fake.chmod(0o755)
-    env = {"PATH": "/usr/bin:/bin", "RUN_DIR": str(tmp_path), "PYTHON": str(fake), "SLURMD_NODENAME": "127.0.0.1",
+    (tmp_path / "bin").mkdir()  # no Slurm controller here: scontrol (if installed) would wait for one
+    (tmp_path / "bin" / "scontrol").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "scontrol").chmod(0o755)
+    env = {"PATH": f"{tmp_path / 'bin'}:/usr/bin:/bin", "RUN_DIR": str(tmp_path), "PYTHON": str(fake), "SLURMD_NODENAME": "127.0.0.1",
            "MA_INDEX": "0", "MA_PORT_TRIES": str(tries), "TMPDIR": str(tmp_path),
            "PYTHONPATH": str(LIB.parents[2]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     log = open(tmp_path / "server0.log", "wb")
@@ -87,7 +90,8 @@ def test_server_sh_starts_again_on_another_port_when_its_port_was_taken(tmp_path
         for _ in range(300):  # at most 30 s
             assert p.poll() is None, (tmp_path / "server0.log").read_text()
             addr = addr_file.read_text().strip() if addr_file.exists() else ""
-            if addr and not addr.endswith(f":{taken}"):
+            assert not addr.endswith(f":{taken}")  # never published at the port another process holds
+            if addr:
                 try:
                     body = urllib.request.urlopen(f"http://{addr}/logs/", timeout=2).read()
                     break
@@ -125,5 +129,13 @@ def test_server_sh_gives_up_after_its_tries_and_never_retries_other_failures(tmp
         assert p.wait(timeout=60) == 3
         log = (tmp_path / "b" / "server0.log").read_text()
         assert "bad model" in log and "try 2" not in log
+        # once it listened (published), its end is the step's end, whatever it said on the way
+        late = [sys.executable, "-c", "import socket, sys, time; s = socket.socket(); s.bind(('127.0.0.1', "
+                "int(sys.argv[1]))); s.listen(); print('Address already in use (a log line)', flush=True); "
+                "time.sleep(2.5); sys.exit(4)", "__PORT__"]
+        p = start_server_sh(tmp_path / "c", late, taken, taken_times=0)
+        assert p.wait(timeout=60) == 4
+        log = (tmp_path / "c" / "server0.log").read_text()
+        assert "(published)" in log and "try 2" not in log
     finally:
         holder.close()

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One node of inference server $MA_INDEX, or the router (MA_NAME=router) (an srun task): picks a free port,
 # fills __HOST__, __PORT__, __NODE_RANK__, __DIST_INIT__ and __API_KEY__ (from $MA_API_KEY_ENV) into the
-# command, publishes host:port (node rank 0) in $RUN_DIR/logs/addresses/$MA_NAME and runs it. The port is
-# free when asked for, but another process can take it before the server binds it: a server whose output
-# then says so (mega_async.comm.lost_the_port) is started again on another port, at most $MA_PORT_TRIES
-# times in all (the address file is rewritten, and the job's wait for /health reads it again). A server on
-# several nodes (__DIST_INIT__) is not retried this way: its node ranks would have to agree on the new port.
+# command and runs it. Node rank 0 publishes host:port in $RUN_DIR/logs/addresses/$MA_NAME only once the
+# process it started (or a child of it) listens on that port (mega_async.comm.listens), so the job's wait for
+# /health never meets another process that took the port first. A server that ends before that and whose
+# output says its port was taken (mega_async.comm.lost_the_port) is started again on another port, at most
+# $MA_PORT_TRIES times in all; once published, its end is the step's end, as before. A server on several
+# nodes (__DIST_INIT__) is not retried: its node ranks would have to agree on the new port.
 set -euo pipefail
 name=${MA_NAME:-server$MA_INDEX}
 host=$(scontrol show node "$SLURMD_NODENAME" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n1 | cut -d= -f2) || true
@@ -13,12 +14,23 @@ host=${host:-$SLURMD_NODENAME}
 rank=${SLURM_PROCID:-0}
 tries=${MA_PORT_TRIES:-5}
 [ -z "${MA_DIST_INIT:-}" ] || tries=1
-head=$(mktemp "${TMPDIR:-/tmp}/ma_${name}_XXXXXX")  # the start of each try's output, read for a lost port
-trap 'rm -f "$head"' EXIT
-# srun signals the whole step, the server included; this shell only must not start another try after it
+tail_file=$(mktemp "${TMPDIR:-/tmp}/ma_${name}_XXXXXX")  # the last lines of a try's output, read for a lost port
+trap 'rm -f "$tail_file"' EXIT
+pid=""
 stopping=0
-trap 'stopping=1' TERM INT
+trap 'stopping=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' TERM INT  # srun signals the whole step anyway
+
+published() {  # node rank 0: the address, once the server's own process listens on the port
+  [ "$rank" = 0 ] || return 0
+  "$PYTHON" -c 'import sys; from mega_async.comm import listens
+sys.exit(0 if listens(int(sys.argv[1]), int(sys.argv[2])) in (True, None) else 1)' "$port" "$pid" || return 1
+  echo "$host:$port" >"$RUN_DIR/logs/addresses/$name.tmp"
+  mv "$RUN_DIR/logs/addresses/$name.tmp" "$RUN_DIR/logs/addresses/$name"
+  echo "$name listens on $host:$port (published)"
+}
+
 for ((try = 1; ; try++)); do
+  ((stopping == 0)) || exit 143
   port=$("$PYTHON" -c 'from mega_async.comm import free_port; print(free_port("0.0.0.0"))')
   args=()
   for a in "$@"; do
@@ -27,22 +39,27 @@ for ((try = 1; ; try++)); do
     args+=("$a")
   done
   echo "$name node rank $rank on $host port $port (try $try of $tries): $*"  # the template: no API key in the log
-  if [ "$rank" = 0 ]; then
-    echo "$host:$port" >"$RUN_DIR/logs/addresses/$name.tmp"
-    mv "$RUN_DIR/logs/addresses/$name.tmp" "$RUN_DIR/logs/addresses/$name"
-  fi
-  # every line goes on to the step's log as before, the first 64 KiB also to $head; the copier ignores SIGTERM
-  # so the server's last words still reach the log, and ends when the server's output does
-  set +e
-  "${args[@]}" 2>&1 | (trap '' TERM INT; exec awk -v f="$head" \
-    '{ print; fflush() } n < 65536 { print > f; fflush(f); n += length($0) + 1 }')
-  rc=${PIPESTATUS[0]}
-  set -e
+  # every line goes on to the step's log as before; the copier keeps the last 200 in $tail_file when the output
+  # ends, and ignores SIGTERM so the server's last words still reach the log
+  exec {out}> >(trap '' TERM INT; exec awk -v f="$tail_file" \
+    '{ print; fflush(); last[NR % 200] = $0 } END { for (i = NR - 199; i <= NR; i++) if (i > 0) print last[i % 200] > f }')
+  copier=$!
+  "${args[@]}" >&"$out" 2>&1 {out}>&- &
+  pid=$!
+  exec {out}>&-
+  up=0
+  while kill -0 "$pid" 2>/dev/null; do
+    if ((up == 0 && stopping == 0)) && published; then up=1; fi
+    sleep 1 || true
+  done
+  rc=0
+  wait "$pid" || rc=$?
+  for ((i = 0; i < 50; i++)); do kill -0 "$copier" 2>/dev/null || break; sleep 0.1; done  # its tail, written at EOF
   ((stopping == 0)) || exit "$rc"
-  if ((rc != 0 && try < tries)) && "$PYTHON" -c 'import sys; from mega_async.comm import lost_the_port
-sys.exit(0 if lost_the_port(open(sys.argv[1], errors="replace").read()) else 1)' "$head"; then
+  if ((up == 0 && rc != 0 && try < tries)) && "$PYTHON" -c 'import sys; from mega_async.comm import lost_the_port
+sys.exit(0 if lost_the_port(open(sys.argv[1], errors="replace").read()) else 1)' "$tail_file"; then
     echo "$name: port $port was taken before it bound it; starting it again on another port"
-    : >"$head"
+    : >"$tail_file"
     continue
   fi
   exit "$rc"
