@@ -1,11 +1,11 @@
 """SGLangClient.readdress (the run started a server again at another port) with RouterLauncher.readdress, adopt
-(a later pipeline stage's head learns the members rank 0 names), and comm.port_free, which tells a restart that its
-port was taken."""
+(a later pipeline stage's head learns the members rank 0 names), comm.port_free, which tells a restart that its
+port was taken, and comm.listens, which tells whose listener holds a port."""
 import socket
 
 import pytest
 
-from mega_async.comm import free_port, port_free
+from mega_async.comm import free_port, listens, port_free
 from mega_async.inference.client import SGLangClient
 
 
@@ -75,3 +75,24 @@ def test_a_router_not_running_only_takes_the_moved_workers_address_for_its_next_
     assert r.workers == ["127.0.0.1:1001", "127.0.0.1:2002"] and r.proc is None
     with pytest.raises(ValueError, match="is not one of the router's workers"):
         r.readdress("127.0.0.1:1002", "127.0.0.1:3003")
+
+
+def test_listens_tells_a_processs_own_listener_from_another_ones():
+    """server.sh publishes an address only once the process it started (or a child) listens there."""
+    import os
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert listens(port, os.getpid()) is False  # bound, not listening
+        s.listen()
+        assert listens(port, os.getpid()) is True
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        try:
+            assert listens(port, other.pid) is False  # someone else's listener on the port
+        finally:
+            other.kill()
+            other.wait()
+    assert listens(port, os.getpid()) is False
