@@ -43,6 +43,11 @@ def test_recipes_validate_and_render(capsys, tmp_path, recipe):
         assert "--tp-size 8" in line and "--ep-size 8" in line and "--enable-dp-attention" in line
         assert "--dp-size 2" in line and "--host __HOST__ --port __PORT__" in line
     assert ("sglang_router.launch_router" in script) == (len(servers) > 1)
+    if len(servers) > 1:  # its port picked on its node by server.sh, and waited for like a server's
+        assert re.search(r'env MA_NAME=router bash "\$LAUNCH_DIR/server.sh" "\$PYTHON" -m sglang_router.launch_router '
+                         r'--host __HOST__ --port __PORT__', script)
+        assert 'ma_wait_healthy router "$STARTUP_TIMEOUT"' in script
+    assert "unset MASTER_PORT" in script and "MEGA_ASYNC_MASTER_PORT_FILE=" in script
     assert f"TRAINER_FIRST_NODE={len(servers)}" in script and f"TRAINER_TASKS_PER_NODE={gpus}" in script
 
 
