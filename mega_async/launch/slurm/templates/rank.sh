@@ -4,5 +4,5 @@
 set -euo pipefail
 if [ "${SLURM_PROCID:-0}" = 0 ]; then log=$RUN_DIR/logs/driver.log; else log=$RUN_DIR/logs/trainer_rank$SLURM_PROCID.log; fi
 exec >>"$log" 2>&1
-echo "rank ${SLURM_PROCID:-0}/${SLURM_NTASKS:-1} on $(hostname) (MASTER_ADDR=$MASTER_ADDR, port from rank 0 through ${MEGA_ASYNC_MASTER_PORT_FILE:-MASTER_PORT=${MASTER_PORT:-}})"
+echo "rank ${SLURM_PROCID:-0}/${SLURM_NTASKS:-1} on $(hostname) (MASTER_ADDR=$MASTER_ADDR port from rank 0 through ${MEGA_ASYNC_MASTER_PORT_FILE:-MASTER_PORT=${MASTER_PORT:-}})"
 exec "$PYTHON" -m mega_async.cli train "$@"

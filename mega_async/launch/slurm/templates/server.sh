@@ -9,6 +9,7 @@
 # nodes (__DIST_INIT__) is not retried: its node ranks would have to agree on the new port.
 set -euo pipefail
 name=${MA_NAME:-server$MA_INDEX}
+label=${MA_NAME:-server $MA_INDEX}  # as the job log has always named it
 host=$(scontrol show node "$SLURMD_NODENAME" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n1 | cut -d= -f2) || true
 host=${host:-$SLURMD_NODENAME}
 rank=${SLURM_PROCID:-0}
@@ -26,7 +27,7 @@ published() {  # node rank 0: the address, once the server's own process listens
 sys.exit(0 if listens(int(sys.argv[1]), int(sys.argv[2])) in (True, None) else 1)' "$port" "$pid" || return 1
   echo "$host:$port" >"$RUN_DIR/logs/addresses/$name.tmp"
   mv "$RUN_DIR/logs/addresses/$name.tmp" "$RUN_DIR/logs/addresses/$name"
-  echo "$name listens on $host:$port (published)"
+  echo "$label listens on $host:$port (published)"
 }
 
 for ((try = 1; ; try++)); do
@@ -38,7 +39,7 @@ for ((try = 1; ; try++)); do
     [ -z "${MA_API_KEY_ENV:-}" ] || a=${a//__API_KEY__/${!MA_API_KEY_ENV:-}}
     args+=("$a")
   done
-  echo "$name node rank $rank on $host port $port (try $try of $tries): $*"  # the template: no API key in the log
+  echo "$label node rank $rank on $host port $port (try $try of $tries): $*"  # the template: no API key in the log
   # every line goes on to the step's log as before; the copier keeps the last 200 in $tail_file when the output
   # ends, and ignores SIGTERM so the server's last words still reach the log
   exec {out}> >(trap '' TERM INT; exec awk -v f="$tail_file" \
@@ -58,7 +59,7 @@ for ((try = 1; ; try++)); do
   ((stopping == 0)) || exit "$rc"
   if ((up == 0 && rc != 0 && try < tries)) && "$PYTHON" -c 'import sys; from mega_async.comm import lost_the_port
 sys.exit(0 if lost_the_port(open(sys.argv[1], errors="replace").read()) else 1)' "$tail_file"; then
-    echo "$name: port $port was taken before it bound it; starting it again on another port"
+    echo "$label: port $port was taken before it bound it; starting it again on another port"
     : >"$tail_file"
     continue
   fi
