@@ -83,11 +83,17 @@ def published_store(host: str, port_file: str, rank: int, world: int, timeout_s:
     import torch.distributed as dist
     from torch.distributed.constants import default_pg_timeout
 
-    timeout_s = timeout_s if timeout_s is not None else float(os.environ.get("MEGA_ASYNC_MASTER_PORT_WAIT", 900))
+    if timeout_s is None:
+        try:
+            timeout_s = float(os.environ.get("MEGA_ASYNC_MASTER_PORT_WAIT", 900))
+        except ValueError:
+            raise RuntimeError(f"MEGA_ASYNC_MASTER_PORT_WAIT={os.environ['MEGA_ASYNC_MASTER_PORT_WAIT']!r}: give "
+                               "the seconds the other ranks wait for rank 0's port, e.g. 900") from None
     limit = max(default_pg_timeout, datetime.timedelta(seconds=timeout_s))  # the store's, as env:// gives it
     path = Path(port_file)
     if rank == 0:
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=limit, wait_for_workers=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_text(f"{store.port}\n")
         os.replace(tmp, path)

@@ -45,3 +45,9 @@ def test_a_rank_without_its_port_says_where_it_waited(tmp_path):
     f.write_text("http://x\n")
     with pytest.raises(RuntimeError, match="is not a port; rank 0 writes its port there"):
         published_store("127.0.0.1", str(f), rank=1, world=2, timeout_s=5)
+
+
+def test_a_bad_wait_setting_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGA_ASYNC_MASTER_PORT_WAIT", "soon")
+    with pytest.raises(RuntimeError, match="MEGA_ASYNC_MASTER_PORT_WAIT='soon': give the seconds"):
+        published_store("127.0.0.1", str(tmp_path / "p"), rank=1, world=2)
