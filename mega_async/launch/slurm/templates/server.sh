@@ -48,10 +48,10 @@ for ((try = 1; ; try++)); do
   "${args[@]}" >&"$out" 2>&1 {out}>&- &
   pid=$!
   exec {out}>&-
-  up=0
+  up=0 polls=0
   while kill -0 "$pid" 2>/dev/null; do
     if ((up == 0 && stopping == 0)) && published; then up=1; fi
-    sleep 1 || true
+    if ((polls++ < 10)); then sleep 0.2 || true; else sleep 1 || true; fi  # quick at first, then once a second
   done
   rc=0
   wait "$pid" || rc=$?
