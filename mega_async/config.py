@@ -113,9 +113,6 @@ class InferenceConfig:
         _positive("inference.max_retries", self.max_retries, allow_zero=True)
         _positive("inference.unhealthy_timeout", self.unhealthy_timeout)
         _positive("inference.max_server_restarts", self.max_server_restarts, allow_zero=True)
-        if self.radix_cache is not None and not isinstance(self.radix_cache, bool):
-            raise ConfigError(f"inference.radix_cache={self.radix_cache!r}: give true, false, or leave it out (the "
-                              "backend's default)")
         if self.radix_cache is not None and (self.addresses or self.backend == "simulated"):
             why = ("inference.addresses names servers already running: start them with or without "
                    "--disable-radix-cache yourself" if self.addresses else "the simulated engine has no cache")

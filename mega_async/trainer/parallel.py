@@ -38,20 +38,17 @@ def init_distributed(backend: Optional[str] = None) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" not in os.environ and PORT_FILE_ENV in os.environ \
-            and world > 1:  # the Slurm job: rank 0's store binds a port the kernel picks, and says which
-        from mega_async.comm import pin_gloo_interface
-
-        pin_gloo_interface(os.environ["MASTER_ADDR"])
-        store = published_store(os.environ["MASTER_ADDR"], os.environ[PORT_FILE_ENV], rank, world)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
-        return
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:  # torchrun / Slurm
+    published = "MASTER_PORT" not in os.environ and PORT_FILE_ENV in os.environ and world > 1  # the Slurm job
+    if "MASTER_ADDR" in os.environ and ("MASTER_PORT" in os.environ or published):  # torchrun / Slurm
         if world > 1:  # gloo groups (the default on CPU, the control group always) across hosts
             from mega_async.comm import pin_gloo_interface
 
             pin_gloo_interface(os.environ["MASTER_ADDR"])
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        if published:  # rank 0's store binds a port the kernel picks, and says which
+            store = published_store(os.environ["MASTER_ADDR"], os.environ[PORT_FILE_ENV], rank, world)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world)
         return
     if world != 1:
         raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are unset: launch with torchrun")
