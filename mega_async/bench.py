@@ -378,9 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bench_gate.save_json(result, a.out)
             print(f"result: {a.out}")
         baseline_path = Path(a.baseline or bench_gate.default_baseline(result))
-        if a.update_baseline:  # scenarios not run this time keep their old baseline
+        if a.update_baseline:  # scenarios not run this time keep their old baseline, and where it was measured
             old = bench_gate.load_json(baseline_path, "baseline") if baseline_path.exists() else {"scenarios": {}}
-            baseline = {**result, "scenarios": {**old["scenarios"], **result["scenarios"]}}
+            baseline = {**result, "scenarios": bench_gate.merge_baseline(old, result)}
             bench_gate.save_json(baseline, baseline_path)
             print(f"baseline written: {baseline_path} (scenarios {', '.join(result['scenarios'])} refreshed)")
         else:

@@ -63,6 +63,20 @@ def default_baseline(result: dict[str, Any]) -> Path:
     return BASELINE_DIR / ("gpu.json" if result.get("machine", {}).get("gpu") else "cpu.json")
 
 
+PROVENANCE = ("created", "machine", "versions", "git")
+
+
+def merge_baseline(old: dict[str, Any], result: dict[str, Any]) -> dict[str, dict]:
+    """The scenarios of a refreshed baseline: the result's, each stamped with where and when it was measured
+    (`measured`: created, machine, versions, git), beside the old baseline's others, which keep their own stamp
+    (or the old file's top-level one, written before scenarios carried theirs): the file's top level then describes
+    the latest refresh, never a scenario measured elsewhere."""
+    stamp = lambda doc: {k: doc[k] for k in PROVENANCE if k in doc}  # noqa: E731
+    kept = {name: {**scn, "measured": scn.get("measured") or stamp(old)}
+            for name, scn in old.get("scenarios", {}).items() if name not in result["scenarios"]}
+    return {**kept, **{name: {**scn, "measured": stamp(result)} for name, scn in result["scenarios"].items()}}
+
+
 def _judge(fig: str, rule: dict[str, Any], cur: dict, base: Optional[dict], noise_k: float) -> dict[str, Any]:
     v: dict[str, Any] = {"figure": fig, "current": cur.get("median"), "cur_spread": cur.get("spread"),
                          "baseline": None, "change": None, "tolerance": None, "verdict": "info"}

@@ -126,9 +126,17 @@ def test_real_executor_scenario_gate_and_history(tmp_path, capsys):
     assert cli(args + ["--baseline", str(tmp_path / "fast.json")]) == 1
     assert "exec_small/executor_traj_per_s" in capsys.readouterr().err
     base = json.loads((tmp_path / "base.json").read_text())
-    base["scenarios"]["other"] = base["scenarios"]["exec_small"]
+    assert base["scenarios"]["exec_small"]["measured"]["git"] == res["git"]  # stamped where it was measured
+    # a scenario from a file written before scenarios carried their stamp: the file's own is its stamp
+    base["scenarios"]["other"] = {k: v for k, v in base["scenarios"]["exec_small"].items() if k != "measured"}
+    base["created"] = "2020-01-01T00:00:00Z"
     (tmp_path / "base.json").write_text(json.dumps(base))
     assert cli(args + ["--update-baseline", "--baseline", str(tmp_path / "base.json"), "--no-history"]) == 0
-    assert set(json.loads((tmp_path / "base.json").read_text())["scenarios"]) == {"exec_small", "other"}  # kept
+    res2 = json.loads(out.read_text())
+    merged = json.loads((tmp_path / "base.json").read_text())
+    assert set(merged["scenarios"]) == {"exec_small", "other"}  # kept
+    # each scenario says where it was measured: the kept one keeps the old file's stamp, not this run's
+    assert merged["scenarios"]["other"]["measured"]["created"] == base["created"]
+    assert merged["scenarios"]["exec_small"]["measured"]["created"] == merged["created"] == res2["created"]
     lines = (hist / "history.jsonl").read_text().splitlines()
     assert len(lines) == 2 and (hist / "history.png").read_bytes()[:4] == b"\x89PNG"
