@@ -10,7 +10,9 @@ For each engine in turn (one server at a time, started by the project's launcher
   weight sync  `--pushes` pushes of the distributed sync (one Megatron rank, gloo, SGLang's weight-update sessions)
                with the default abort pause, each with its parts: pause, buckets (gather, broadcast, server), commit
                and continue, as DistributedWeightSync reports them and the pause bracket's events; with the server
-               idle, then with 8 requests decoding throughout (what a run's sync meets)
+               idle, then with 8 requests decoding throughout (what a run's sync meets), then the same without
+               aborting ahead of the pause (`busy_pause_only`, the bracket before it did: the baseline of
+               `SGLangClient.abort_in_flight`, which spares real SGLang's pause its 1 s poll)
 Writes JSON (`--out`) and prints a table. The real engine needs `$SGLANG_CPU_VENV` (tools/install_sglang_cpu.sh).
 
     python tools/bench_engines.py --out benchmarks/engines_cpu.json
@@ -107,7 +109,12 @@ def weight_sync(addresses, pushes: int) -> dict:
     version = WeightVersion()
     client = SGLangClient(addresses, version=version, request_timeout=600)
     out: dict = {}
-    for case in ("idle", "busy"):
+    for case in ("idle", "busy", "busy_pause_only"):
+        if case == "busy_pause_only":  # the pause alone aborts what is in flight, as the bracket once did
+            async def pause_only(timeout: float) -> int:
+                return client._in_flight
+
+            client.abort_in_flight = pause_only
         events = Timeline()
         sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, timeout=120, events=events)
         stop = threading.Event()
@@ -119,7 +126,7 @@ def weight_sync(addresses, pushes: int) -> dict:
 
             await asyncio.gather(*(one(i) for i in range(8)))
 
-        load = threading.Thread(target=lambda: asyncio.run(decode())) if case == "busy" else None
+        load = threading.Thread(target=lambda: asyncio.run(decode())) if case != "idle" else None
         rows = []
         try:
             if load is not None:
@@ -183,6 +190,9 @@ def main() -> None:
     ensure_weights(CARD)
     hf = AutoModelForCausalLM.from_pretrained(CARD, dtype=torch.float32).eval()
     results = {e: bench(e, args, hf) for e in args.engines.split(",")}
+    for e, r in results.items():  # the same run's baseline: the bracket without aborting ahead of the pause
+        r["sync"]["pause_only_over_abort_ahead"] = {k: r["sync"]["busy_pause_only"][k] / r["sync"]["busy"][k]
+                                                    for k in ("push_s", "pause_s")}
     if {"embedded", "sglang"} <= set(results):
         e, s = results["embedded"], results["sglang"]
         results["ratios"] = {"tok_s_sglang_over_embedded": s["generation"]["tok_s"] / e["generation"]["tok_s"],

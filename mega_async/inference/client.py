@@ -1157,6 +1157,35 @@ class SGLangClient:
             s.paused = True
         await self._post_all("/pause_generation", {"mode": mode}, timeout=timeout, servers=targets)
 
+    async def abort_in_flight(self, timeout: float) -> int:
+        """Before an abort pause: SGLang's /abort_request (abort_all) to every server a pause goes to, then wait,
+        at most `timeout` seconds, for this client's requests on the servers that answered to come back with
+        their partial output (the loop that sent them must be running to read them; `pause()` holds their
+        resubmission). SGLang's abort-mode /pause_generation aborts too, but while any request handler still
+        holds its lock it then sleeps 1.0 s before looking again (tokenizer_manager.pause_generation, 0.5.23):
+        aborted first, nothing holds it and the pause answers at once. Only servers whose pause waits so
+        (`Release.pause_polls`: SGLang; a release not known yet is asked once, as `learn_releases` does); the
+        embedded server's pause needs no help, and its aborted answers are read after the pause, with the rollout
+        loop parked meanwhile. A server that fails /abort_request or gives it no answer is not waited for: the
+        pause that follows aborts on it and reports it. Returns how many requests are still in flight."""
+        deadline = time.monotonic() + timeout
+        await self._learn([s for s in self.servers if s.healthy and s.release is None], timeout, down_ok=True)
+        targets = [s for s in self.servers if s.healthy and s.release is not None and s.release.pause_polls]
+
+        async def abort(s: _Server) -> Optional[_Server]:
+            try:
+                status, _ = await self._request("POST", s, "/abort_request", {"abort_all": True}, timeout=timeout)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                return None
+            return s if status == 200 else None
+
+        answered = [s for s in await asyncio.gather(*(abort(s) for s in targets)) if s is not None]
+        if self.router is not None and answered:  # the router's requests are on the servers that aborted them
+            answered.append(self.router)
+        while sum(s.in_flight for s in answered) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return self._in_flight
+
     async def wait_idle(self, timeout: float) -> None:
         """Until no request of this client is in flight (rollout.interrupt=none: generation finishes before the
         servers pause; new requests are held by `pause()` meanwhile). Raises ServerError after `timeout`."""

@@ -79,6 +79,14 @@ class Release:
         return self.embedded or self.draft
 
     @property
+    def pause_polls(self) -> bool:
+        """Whether its abort-mode /pause_generation, finding requests in flight, waits a second: SGLang aborts, then
+        while any request handler still holds its lock sleeps 1.0 s before looking again
+        (tokenizer_manager.pause_generation); the embedded server answers once its aborted requests are answered.
+        A client aborts first on such a server (`SGLangClient.abort_in_flight`)."""
+        return not self.embedded
+
+    @property
     def refuses_unaligned_buckets(self) -> bool:
         """0.5.23's FlattenedTensorBucket.empty refuses, before the broadcast, a tensor whose byte offset is not a
         multiple of its dtype's size (older releases fail at the view after receiving it)."""

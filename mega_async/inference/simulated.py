@@ -62,6 +62,10 @@ class SimulatedEngine:
                 raise TimeoutError(f"{self.in_flight} requests still in flight after {timeout:g}s")
             await asyncio.sleep(0.001)
 
+    async def abort_in_flight(self, timeout: float) -> int:
+        """Nothing to abort ahead: the abort pause cuts the chunks in flight at once, with no wait of its own."""
+        return self.in_flight
+
     def continue_generation(self, timeout: Optional[float] = None) -> None:
         self._running.set()
 

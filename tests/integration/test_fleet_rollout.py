@@ -45,7 +45,7 @@ async def one_reward(prompt, completion, **item):
 @pytest.fixture
 def fleet():
     cfg = FleetConfig(length_median=30, length_sigma=1.0, token_latency_s=0.002, batch_latency_s=1e-4, ttft_s=0.005,
-                      load_s=0.0)
+                      load_s=0.0, pause_poll_s=1.0)  # SGLang's abort pause: 1 s more when it finds requests running
     with Fleet(8, cfg, in_thread=True) as f:
         yield f
 
@@ -100,6 +100,9 @@ def test_episodes_across_syncs_keep_their_versions(fleet, interrupt):
     counters = {s["index"]: s["counters"] for s in fleet.state()}
     interrupted = sum(c.get("aborted", 0) - state0[i].get("aborted", 0) for i, c in counters.items())
     assert (interrupted > 0) == (interrupt == "abort")
+    # the bracket aborted them and let their answers come back before it paused: no abort pause found one running
+    # and slept SGLang's second (it would have, at every sync that found episodes in flight)
+    assert sum(c.get("pause_polls", 0) - state0[i].get("pause_polls", 0) for i, c in counters.items()) == 0
     assert all(s["session"] is None and s["version"] == str(steps) for s in fleet.state())
 
 
@@ -361,6 +364,43 @@ def test_requests_not_yet_sent_stay_in_the_client_while_it_is_paused():
     assert paused["aborted"] == 4 and paused["received"] == 4, paused  # 8 before: 4 more went to the paused server
     assert all(len(r.output_tokens) == 60 for r in out)
     assert sum(r.num_interruptions for r in out) == 4
+
+
+@pytest.mark.parametrize("embedded", [False, True], ids=["sglang", "embedded"])
+def test_abort_in_flight_aborts_ahead_of_sglangs_pause_and_leaves_the_embedded_servers_pause_alone(embedded):
+    """SGLang's abort pause sleeps a second while request handlers hold its lock (the fleet's pause_poll_s): the
+    client aborts first on such servers and waits for the answers, so the pause finds none running. The embedded
+    server's pause has no such wait: nothing is aborted ahead there (its answers are read after the pause, with
+    the rollout loop parked)."""
+    from mega_async.inference.sglang_releases import Release
+
+    with Fleet(1, FleetConfig(length_median=400, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0,
+                              pause_poll_s=1.0), in_thread=True) as f:
+        client = SGLangClient(f.addresses, request_timeout=30)
+        if embedded:
+            client.servers[0].release = Release.of("0.5.23", embedded=True)
+
+        async def main():
+            tasks = [asyncio.ensure_future(client.agenerate(ModelRequest([3, i], max_new_tokens=400, ignore_eos=True)))
+                     for i in range(6)]
+            deadline = time.monotonic() + 10
+            while f.state()[0]["running"] < 6 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            client.pause()
+            left = await client.abort_in_flight(5.0)
+            before = dict(f.state()[0]["counters"])
+            await client.pause_generation("abort")
+            paused = dict(f.state()[0]["counters"])
+            client.resume()
+            await client.continue_generation()
+            return left, before, paused, await asyncio.gather(*tasks)
+
+        left, before, paused, out = asyncio.run(main())
+    if embedded:  # the pause aborted them, and slept its second (the fleet knows no embedded server)
+        assert left == 6 and before.get("aborted", 0) == 0 and paused["aborted"] == 6 and paused["pause_polls"] == 1
+    else:
+        assert left == 0 and before["aborted"] == 6 and paused["aborted"] == 6 and not paused.get("pause_polls")
+    assert all(len(r.output_tokens) == 400 for r in out) and sum(r.num_interruptions for r in out) == 6
 
 
 def test_max_connections_must_be_positive():

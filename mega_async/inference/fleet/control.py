@@ -124,7 +124,8 @@ async def pause(s: "SimServer", request: web.BaseRequest) -> Reply:
         raise _bad(f"mode: Input should be 'abort', 'retract' or 'in_place', got {mode!r}")
     aborted = s.pause(mode)
     await asyncio.sleep(0)  # the aborted requests' answers go out
-    if aborted and s.cfg.pause_poll_s:
+    if aborted and s.cfg.pause_poll_s:  # SGLang: handlers still held its lock, so it sleeps before looking again
+        s.counters["pause_polls"] += 1
         await asyncio.sleep(s.cfg.seconds(s.cfg.pause_poll_s))
     return {"message": "Generation paused successfully.", "status": "ok"}, 200
 

@@ -37,6 +37,9 @@ logger = logging.getLogger("mega_async.trainer.sync")
 # retry needs a server lost in the attempt before it; any other failure is raised at once). Each crash after the
 # group is built costs one attempt: 10% of 64 servers crashing within 6 s put five crashes into one push
 PUSH_ATTEMPTS = 8
+# interrupt=abort: how long the bracket waits for the requests it aborted to come back before it pauses the servers
+# (what is still out then, the pause aborts again and SGLang's own pause waits for, once a second)
+ABORT_DRAIN_S = 5.0
 
 
 @contextlib.contextmanager
@@ -113,6 +116,10 @@ class WeightSync(Verification):
                     try:
                         if self.interrupt == "none":  # the non-interruptible baseline: generation finishes first
                             self._wait(r.client.wait_idle(self.timeout), "waiting for the requests in flight")
+                        elif self.interrupt == "abort":  # aborted and back before the pause, unparked: SGLang's
+                            # abort pause then has no request handler to wait for (it polls them once a second)
+                            self._wait(r.client.abort_in_flight(min(self.timeout, ABORT_DRAIN_S)),
+                                       "aborting the requests in flight")
                         mode = "abort" if self.interrupt == "none" else self.interrupt
                         # the HTTP call carries the sync's timeout, so it cannot land after continue; the rollout
                         # loop sleeps meanwhile, so digesting the aborted answers does not slow the pause calls
