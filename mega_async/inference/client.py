@@ -213,6 +213,7 @@ def token_versions(spans: Any, n: int, fallback: int) -> list[int]:
     return out
 
 
+REABORT_S = 0.1  # abort_in_flight: /abort_request again this often to a server whose requests are not all back
 SETTLE_QUIET_S = 2.0  # settle(): no reply for this long means what is left in flight is held by a paused server
 # idle keep-alive connections are dropped after this, before the server closes them (SGLang's uvicorn: 5 s), so a
 # request never goes out on a connection the server is closing
@@ -1163,27 +1164,47 @@ class SGLangClient:
         their partial output (the loop that sent them must be running to read them; `pause()` holds their
         resubmission). SGLang's abort-mode /pause_generation aborts too, but while any request handler still
         holds its lock it then sleeps 1.0 s before looking again (tokenizer_manager.pause_generation, 0.5.23):
-        aborted first, nothing holds it and the pause answers at once. Only servers whose pause waits so
+        aborted first, nothing holds it and the pause answers at once. A request still on its way when the abort
+        came runs: the abort is sent again every REABORT_S to a server that has not answered all of this
+        client's requests. Only servers whose pause waits so
         (`Release.pause_polls`: SGLang; a release not known yet is asked once, as `learn_releases` does); the
         embedded server's pause needs no help, and its aborted answers are read after the pause, with the rollout
-        loop parked meanwhile. A server that fails /abort_request or gives it no answer is not waited for: the
-        pause that follows aborts on it and reports it. Returns how many requests are still in flight."""
+        loop parked meanwhile. The requests of a server that fails /abort_request are not waited for, and one that
+        gives it no answer holds the wait to its limit at most: the pause that follows aborts on them and reports
+        such a server. Returns how many requests are still in flight."""
         deadline = time.monotonic() + timeout
         await self._learn([s for s in self.servers if s.healthy and s.release is None], timeout, down_ok=True)
         targets = [s for s in self.servers if s.healthy and s.release is not None and s.release.pause_polls]
 
-        async def abort(s: _Server) -> Optional[_Server]:
+        async def abort(s: _Server) -> bool:
             try:
-                status, _ = await self._request("POST", s, "/abort_request", {"abort_all": True}, timeout=timeout)
+                status, _ = await self._request("POST", s, "/abort_request", {"abort_all": True},
+                                                timeout=max(0.01, deadline - time.monotonic()))
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                return None
-            return s if status == 200 else None
+                return False
+            return status == 200
 
-        answered = [s for s in await asyncio.gather(*(abort(s) for s in targets)) if s is not None]
-        if self.router is not None and answered:  # the router's requests are on the servers that aborted them
-            answered.append(self.router)
-        while sum(s.in_flight for s in answered) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        first = [(s, asyncio.ensure_future(abort(s))) for s in targets]  # each server's answer counts as it comes
+        later: list[asyncio.Future] = []
+        answered: list[_Server] = []
+        again = time.monotonic() + REABORT_S
+        try:
+            while time.monotonic() < deadline:
+                answered += [s for s, t in first if t.done() and t.result()]
+                first = [(s, t) for s, t in first if not t.done()]
+                routed = self.router is not None and answered and self.router.in_flight  # on any of them
+                left = answered if routed else [s for s in answered if s.in_flight]
+                if not left and not first:
+                    break
+                if left and time.monotonic() >= again:  # a request on its way when the abort came runs now
+                    later += [asyncio.ensure_future(abort(s)) for s in left]
+                    again = time.monotonic() + REABORT_S
+                await asyncio.sleep(0.005)
+        finally:
+            pending = [t for _, t in first] + later
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
         return self._in_flight
 
     async def wait_idle(self, timeout: float) -> None:

@@ -1,0 +1,83 @@
+"""`SGLangClient.abort_in_flight`, the bracket's step before an abort pause on real SGLang (whose pause sleeps a
+second while request handlers hold its lock): a request that reached the server only after the first
+/abort_request, so still runs, is aborted by the next one, also while another server gives no answer (which holds
+the wait to its limit, no longer)."""
+import asyncio
+import socket
+import threading
+
+from aiohttp import web
+
+from mega_async.inference.client import REABORT_S, SGLangClient
+from mega_async.inference.sglang_releases import Release
+
+
+class LateServer:
+    """A real SGLang server (its release learned): the first /abort_request finds nothing (the request is still on
+    its way), a later one aborts it: its answer comes back then (the client's count of it drops)."""
+
+    def __init__(self, on_abort):
+        self.aborts, self.on_abort = 0, on_abort
+        app = web.Application()
+        app.router.add_post("/abort_request", self._abort)
+        self._runner = web.AppRunner(app)
+        self._loop = asyncio.new_event_loop()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.address = f"127.0.0.1:{sock.getsockname()[1]}"
+        ready = threading.Event()
+
+        def main():
+            asyncio.set_event_loop(self._loop)
+            self._loop.run_until_complete(self._runner.setup())
+            self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=main, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+
+    async def _abort(self, request):
+        assert (await request.json())["abort_all"] is True
+        self.aborts += 1
+        if self.aborts == 2:
+            self.on_abort()
+        return web.Response(status=200)
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+def test_a_request_that_arrived_after_the_abort_is_aborted_again_and_a_mute_server_is_not_waited_for():
+    mute = socket.socket()  # accepts connections (the kernel does) and never answers: a stopped process
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    client = None
+
+    async def main():
+        nonlocal client
+        loop = asyncio.get_running_loop()
+        server = LateServer(lambda: loop.call_soon_threadsafe(client._count, client.servers[0], -1))
+        client = SGLangClient([server.address, f"127.0.0.1:{mute.getsockname()[1]}"], request_timeout=30)
+        for s in client.servers:  # learned when the sync began (the distributed sync asks at its setup)
+            s.release = Release.of("0.5.23")
+        try:
+            client._count(client.servers[0], 1)  # one request of ours on the server
+            client._count(client.servers[1], 1)  # and one on the mute one (never comes back)
+            assert REABORT_S <= 0.2
+            left = await client.abort_in_flight(1.5)
+            return left, server.aborts
+        finally:
+            server.close()
+
+    try:
+        left, aborts = asyncio.run(main())
+    finally:
+        mute.close()
+    assert aborts >= 2  # a second abort came REABORT_S after the first, while the mute one was still unanswered
+    assert left == 1  # the mute server's, not waited for beyond the limit
+    assert client.servers[0].in_flight == 0 and client.servers[1].in_flight == 1
