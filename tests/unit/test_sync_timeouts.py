@@ -204,3 +204,30 @@ def test_an_agent_episode_that_runs_out_of_time_says_so():
     with pytest.raises(TimeoutError, match=r"agent episode at http://127\.0\.0\.1:\d+/v1 did not finish within "
                                            r"episode_timeout=0\.3s"):
         asyncio.run(wf.arun_episode(SimulatedEngine(), {"question": "1+1"}))
+
+
+class AbortAheadFails(SimulatedEngine):
+    """The step before an abort pause fails (e.g. a server that cannot say its release): the pause aborts anyway."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.paused_with = None
+
+    async def abort_in_flight(self, timeout):
+        raise ServerError("http://127.0.0.1:9: cannot learn its SGLang release")
+
+    def pause_generation(self, mode="abort", timeout=None):
+        self.paused_with = mode
+        return super().pause_generation(mode, timeout)
+
+
+def test_a_failed_abort_ahead_of_the_pause_does_not_fail_the_sync(caplog):
+    version = WeightVersion()
+    engine = AbortAheadFails(version=version)
+    sync = Sync([], version, RolloutSide(engine), timeout=3)
+    try:
+        sync.push()
+    finally:
+        sync.close()
+    assert version.value == 1 and engine.paused_with == "abort"
+    assert "ahead of the pause failed (ServerError: http://127.0.0.1:9: cannot learn" in caplog.text
