@@ -48,8 +48,11 @@ def test_a_stopped_server_is_taken_out_within_the_timeout_and_comes_back(tmp_pat
     assert f"server {s1} marked unhealthy: /update_weights_from_distributed: no answer within 3s" in lines
     # the failing bucket is 0 or 1: server 1 stops as the resharder makes bucket 1, and whether its reply to bucket 0
     # came before that depends on the load (bucket 0's post overlaps the making of bucket 1)
+    # and its own timeout (3 s) and the grace after server 0's answer (join_grace, also ~3 s here) race: either names it
     assert any(f"server(s) {s1} went down or hung" in x and re.search(r"update: bucket [01] of stage 0", x)
-               and f"{s1}/update_weights_from_distributed gave no answer within 3s" in x for x in lines), \
+               and (f"{s1}/update_weights_from_distributed gave no answer within 3s" in x
+                    or re.search(re.escape(f"{s1}/update_weights_from_distributed: no answer ") + r"[\d.]+s after "
+                                 + re.escape(f"{s0} had received and loaded the bucket"), x)) for x in lines), \
         [x for x in lines if "went down or hung" in x]
     back = res["bucket_back"]
     assert back["error"] is None and back["version"] == 4 and back["healthy"] == [True, True]
