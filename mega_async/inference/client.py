@@ -371,6 +371,7 @@ class SGLangClient:
         self._suspects: set[int] = set()  # indices of servers this client marked unhealthy (probed until back)
         self.moved: dict[str, str] = {}  # servers started again at another address: first address -> current one
         self._in_flight = 0  # over every server
+        self._choosing = 0  # requests past their send slot whose server is being chosen (not counted on one yet)
         self._served: Optional[str] = None  # the weight_version this client's last weight sync set on the servers
         self._group: Optional[list[_Server]] = None  # the servers of the current weight-update group
         self.bucket_answered: list[str] = []  # the servers that answered the bucket being sent (the sync reads it)
@@ -901,7 +902,11 @@ class SGLangClient:
             # athrow()" in place of the task's own error (e.g. the one naming the dead server)
             await gate.acquire()
             try:
-                s = await self._via_router() or await self._choose(rid)
+                self._choosing += 1  # on its way to a server not chosen yet (abort_in_flight waits for it too)
+                try:
+                    s = await self._via_router() or await self._choose(rid)
+                finally:
+                    self._choosing -= 1
                 self._count(s, 1)
                 try:
                     payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
@@ -1166,17 +1171,18 @@ class SGLangClient:
         holds its lock it then sleeps 1.0 s before looking again (tokenizer_manager.pause_generation, 0.5.23):
         aborted first, nothing holds it and the pause answers at once. A request still on its way when the abort
         came runs: the abort is sent again every REABORT_S to a server that has not answered all of this
-        client's requests. Only servers whose pause waits so
-        (`Release.pause_polls`: SGLang; a release not known yet is asked once, as `learn_releases` does); the
-        embedded server's pause needs no help, and its aborted answers are read after the pause, with the rollout
+        client's requests (one outstanding at a time), and a request whose server is still being chosen is waited
+        for too. Only servers whose pause waits so (`Release.pause_polls`: SGLang; a release not known yet is
+        asked once, without marking a server that does not answer in time down); the embedded server's pause
+        needs no help, and its aborted answers are read after the pause, with the rollout
         loop parked meanwhile. The requests of a server that fails /abort_request are not waited for, and one that
         gives it no answer holds the wait to its limit at most: the pause that follows aborts on them and reports
         such a server. Returns how many requests are still in flight."""
         deadline = time.monotonic() + timeout
-        try:
-            await self._learn([s for s in self.servers if s.healthy and s.release is None], timeout, down_ok=True)
-        except ServerError as e:  # e.g. a router given as a server: not aborted ahead, the pause does it
-            logger.debug("abort_in_flight: %s", e)
+        # a release not known yet (a disk sync's servers before their first update), each asked on its own: one that
+        # cannot say (a router given as a server, no answer in time) stays unknown and is left to the pause
+        await asyncio.gather(*(self._learn([s], timeout, down_ok=True, mark=False) for s in self.servers
+                               if s.healthy and s.release is None), return_exceptions=True)
         targets = [s for s in self.servers if s.healthy and s.release is not None and s.release.pause_polls]
 
         async def abort(s: _Server) -> bool:
@@ -1188,23 +1194,26 @@ class SGLangClient:
             return status == 200
 
         first = [(s, asyncio.ensure_future(abort(s))) for s in targets]  # each server's answer counts as it comes
-        later: list[asyncio.Future] = []
+        later: list[tuple[_Server, asyncio.Future]] = []  # aborts sent again: at most one outstanding per server
         answered: list[_Server] = []
         again = time.monotonic() + REABORT_S
         try:
             while time.monotonic() < deadline:
                 answered += [s for s, t in first if t.done() and t.result()]
                 first = [(s, t) for s, t in first if not t.done()]
+                answered = [s for s in answered if s.healthy]  # one marked down meanwhile: its requests are cut
                 routed = self.router is not None and answered and self.router.in_flight  # on any of them
                 left = answered if routed else [s for s in answered if s.in_flight]
-                if not left and not first:
+                if not left and not first and not (answered and self._choosing):
                     break
+                later = [(s, t) for s, t in later if not t.done()]
                 if left and time.monotonic() >= again:  # a request on its way when the abort came runs now
-                    later += [asyncio.ensure_future(abort(s)) for s in left]
+                    busy = {id(s) for s, _ in later}
+                    later += [(s, asyncio.ensure_future(abort(s))) for s in left if id(s) not in busy]
                     again = time.monotonic() + REABORT_S
                 await asyncio.sleep(0.005)
         finally:
-            pending = [t for _, t in first] + later
+            pending = [t for _, t in first] + [t for _, t in later]
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -1409,7 +1418,9 @@ class SGLangClient:
         return await self._learn(self.servers, timeout, down_ok=True)
 
     async def _learn(self, servers: Sequence[_Server], timeout: Optional[float],
-                     down_ok: bool = False) -> list[Optional[Release]]:
+                     down_ok: bool = False, mark: bool = True) -> list[Optional[Release]]:
+        """Each server's release, asked once. `mark`=False: a server that does not answer, or answers 5xx, is not
+        marked down for it (a short look, not the sync's own call)."""
         async def one(s: _Server) -> Optional[Release]:
             if s.release is None:
                 version: Any = None
@@ -1419,7 +1430,8 @@ class SGLangClient:
                     try:
                         status, out = await self._request("GET", s, path, timeout=timeout)
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                        self._mark_unhealthy(s, f"{path}: {_why(e)}", silent=True)
+                        if mark:
+                            self._mark_unhealthy(s, f"{path}: {_why(e)}", silent=True)
                         if down_ok:
                             return None
                         raise ServerError(_failed(s, path, e)) from e
@@ -1428,7 +1440,8 @@ class SGLangClient:
                         draft = serves_draft(out)  # a NextN/EAGLE draft of the model's MTP layers
                         break
                     if status >= 500:
-                        self._mark_unhealthy(s, f"{path} answered {status}")
+                        if mark:
+                            self._mark_unhealthy(s, f"{path} answered {status}")
                         if down_ok:
                             return None
                     if status == 200:  # e.g. sglang-router: 404 to /server_info, a list or text to the other

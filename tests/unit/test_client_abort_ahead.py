@@ -81,3 +81,18 @@ def test_a_request_that_arrived_after_the_abort_is_aborted_again_and_a_mute_serv
     assert aborts >= 2  # a second abort came REABORT_S after the first, while the mute one was still unanswered
     assert left == 1  # the mute server's, not waited for beyond the limit
     assert client.servers[0].in_flight == 0 and client.servers[1].in_flight == 1
+
+
+def test_a_server_that_cannot_say_its_release_in_time_is_left_to_the_pause_not_marked_down():
+    """A release not known yet is asked within the wait's limit; a server that does not answer stays up (the pause,
+    with the sync's own timeout, decides about it) and is not aborted ahead."""
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)
+    try:
+        client = SGLangClient([f"127.0.0.1:{mute.getsockname()[1]}"], request_timeout=30)
+        client._count(client.servers[0], 1)
+        assert asyncio.run(client.abort_in_flight(0.5)) == 1
+        assert client.servers[0].healthy and client.servers[0].release is None
+    finally:
+        mute.close()
