@@ -374,14 +374,14 @@ def test_abort_in_flight_aborts_ahead_of_sglangs_pause_and_leaves_the_embedded_s
     the rollout loop parked)."""
     from mega_async.inference.sglang_releases import Release
 
-    with Fleet(1, FleetConfig(length_median=400, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0,
+    with Fleet(1, FleetConfig(length_median=200, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0,
                               pause_poll_s=1.0), in_thread=True) as f:
         client = SGLangClient(f.addresses, request_timeout=30)
         if embedded:
             client.servers[0].release = Release.of("0.5.23", embedded=True)
 
         async def main():
-            tasks = [asyncio.ensure_future(client.agenerate(ModelRequest([3, i], max_new_tokens=400, ignore_eos=True)))
+            tasks = [asyncio.ensure_future(client.agenerate(ModelRequest([3, i], max_new_tokens=200, ignore_eos=True)))
                      for i in range(6)]
             deadline = time.monotonic() + 10
             while f.state()[0]["running"] < 6 and time.monotonic() < deadline:
@@ -400,7 +400,7 @@ def test_abort_in_flight_aborts_ahead_of_sglangs_pause_and_leaves_the_embedded_s
         assert left == 6 and before.get("aborted", 0) == 0 and paused["aborted"] == 6 and paused["pause_polls"] == 1
     else:
         assert left == 0 and before["aborted"] == 6 and paused["aborted"] == 6 and not paused.get("pause_polls")
-    assert all(len(r.output_tokens) == 400 for r in out) and sum(r.num_interruptions for r in out) == 6
+    assert all(len(r.output_tokens) == 200 for r in out) and sum(r.num_interruptions for r in out) == 6
 
 
 def test_max_connections_must_be_positive():
