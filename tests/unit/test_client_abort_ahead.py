@@ -4,15 +4,15 @@ second while request handlers hold its lock): a request that reached the server 
 the wait to its limit, no longer)."""
 import asyncio
 import socket
-import threading
 
 from aiohttp import web
 
 from mega_async.inference.client import REABORT_S, SGLangClient
 from mega_async.inference.sglang_releases import Release
+from tests.unit.thread_server import ThreadServer
 
 
-class LateServer:
+class LateServer(ThreadServer):
     """A real SGLang server (its release learned): the first /abort_request finds nothing (the request is still on
     its way), a later one aborts it: its answer comes back then (the client's count of it drops)."""
 
@@ -20,23 +20,7 @@ class LateServer:
         self.aborts, self.on_abort = 0, on_abort
         app = web.Application()
         app.router.add_post("/abort_request", self._abort)
-        self._runner = web.AppRunner(app)
-        self._loop = asyncio.new_event_loop()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{sock.getsockname()[1]}"
-        ready = threading.Event()
-
-        def main():
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
-            ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=main, daemon=True)
-        self._thread.start()
-        ready.wait(10)
+        super().__init__(app)
 
     async def _abort(self, request):
         assert (await request.json())["abort_all"] is True
@@ -44,12 +28,6 @@ class LateServer:
         if self.aborts == 2:
             self.on_abort()
         return web.Response(status=200)
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
 
 
 def test_a_request_that_arrived_after_the_abort_is_aborted_again_and_a_mute_server_is_not_waited_for():

@@ -15,6 +15,7 @@ from mega_async.inference.simulated import SimulatedEngine
 from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
 from mega_async.trainer.sync.common import HttpLoop, PhaseTimeout
 from mega_async.types import WeightVersion
+from tests.unit.thread_server import ThreadServer
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def mute():
     s.close()
 
 
-class Stub:
+class Stub(ThreadServer):
     """A server that answers every control call with success and /generate with two tokens."""
 
     def __init__(self):
@@ -37,22 +38,7 @@ class Stub:
             app.router.add_post(path, self._ok)
         app.router.add_post("/generate", self._generate)
         app.router.add_get("/health", self._ok)
-        self._runner = web.AppRunner(app)
-        self._loop = asyncio.new_event_loop()
-        ready = threading.Event()
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.address = f"127.0.0.1:{sock.getsockname()[1]}"
-
-        def main():
-            asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._runner.setup())
-            self._loop.run_until_complete(web.SockSite(self._runner, sock).start())
-            ready.set()
-            self._loop.run_forever()
-
-        threading.Thread(target=main, daemon=True).start()
-        ready.wait(10)
+        super().__init__(app)
 
     async def _ok(self, request):
         self.calls.append(request.path)
