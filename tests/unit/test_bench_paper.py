@@ -367,8 +367,14 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     assert bp.best_eta(runs) == 2
     table = bp.headline_table(h, ["sync", "eta2-dec"])
     assert "sync's final held-out accuracy 0.650" in table
-    assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 2.67x ± 0.00x | 0.660 ± 0.000 | 0.660 ± 0.000 |" in table
+    assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 2.67x ± 0.00x | 0.660 ± 0.000 | 0.640 ± 0.000 | 0.660 ± 0.000 |" in table
     assert "| sync | 40 ± 0 (2/2) | 1.00x | - |" in table
+    # the plateau: the mean of the last PLATEAU_EXPORTS (5) exports, here all 4: (0.5 + 0.6 + 0.66 + fin) / 4
+    assert s["heldout_plateau"]["values"] == pytest.approx([0.595, 0.61])
+    # the crossing rule applied to sync itself: seed 1 never averages 0.65 over two exports, seed 2 does at its end
+    assert s["reached_crossing"] == 1 and s["crossing_s"]["values"] == [40.0] and "crossing_s" not in e
+    assert "applied to sync itself reaches 0.650 in 1 of 2 seeds (at 40 s on average)" in table
+    assert "against a plateau of 0.603 ± " in table
     never = [dict(r, heldout_curve=[[9, 5.0, 0.1], [19, 10.0, 0.1]]) if r["name"] == "eta2-dec" else r for r in runs]
     assert "| eta2-dec | - (0/2) | - | - |" in bp.headline_table(bp.headline(never), ["sync", "eta2-dec"])  # no "-x"
     # paired by seed: seed 2's runs on a machine half as fast (sync 80 s, the variant at 30 s): each seed's ratio
