@@ -105,6 +105,13 @@ LONGTAIL_ETAS = (1, 2, 4, 8)
 SNAPSHOT_EVERY = 10
 HELDOUT_WINDOW = 2  # exports averaged for the time to sync's final held-out accuracy (128 problems: +-0.04 each)
 PLATEAU_EXPORTS = 5  # a run's held-out plateau: the mean of its last exports (steps 110-150 at the default cadence)
+EARLY_EXPORTS = (2, 5)  # exports [2, 5) (the 3rd to 5th): steps 30-50 at the default cadence, where sync's held-out still climbs
+
+
+def heldout_mean(hc: Sequence[Sequence[float]], part: slice) -> Optional[float]:
+    """Mean held-out accuracy over the exports `hc[part]` (None: the run has none there)."""
+    xs = [x[2] for x in hc[part]]
+    return statistics.fmean(xs) if xs else None
 
 
 def longtail_variants() -> list[dict[str, Any]]:
@@ -713,6 +720,7 @@ def headline(runs: list[dict]) -> dict[str, Any]:
         # sync has its final accuracy at its end: that is the time to beat (the crossing rule below, applied to
         # sync itself, would find it only in the seeds that end above their mean)
         sync_t = statistics.fmean(r["wall_s"] for r in sync if r.get("heldout_curve"))
+        plateau, early = slice(-PLATEAU_EXPORTS, None), slice(*EARLY_EXPORTS)
         for name, v in per.items():
             rs = [r for r in runs if r["name"] == name and r.get("heldout_curve")]
             if not rs:
@@ -725,10 +733,22 @@ def headline(runs: list[dict]) -> dict[str, Any]:
             sync_of = {r["seed"]: r for r in sync if r.get("heldout_curve")}
             paired = [sync_of[r["seed"]]["wall_s"] / t for r, t in zip(rs, th)
                       if t and r["seed"] in sync_of and same_machine(r, sync_of[r["seed"]])]
+
+            def gaps(part: slice) -> list[Optional[float]]:
+                out = []
+                for r in rs:
+                    base = sync_of.get(r["seed"])
+                    a = heldout_mean(r["heldout_curve"], part)
+                    b = heldout_mean(base["heldout_curve"], part) if base is not None and name != "sync" else None
+                    out.append(a - b if a is not None and b is not None else None)
+                return out
             v.update({"time_to_sync_heldout_s": ti, "reached_heldout": sum(t is not None for t in th),
                       "heldout_runs": len(rs),
-                      "heldout_plateau": t_interval([statistics.fmean(x[2] for x in r["heldout_curve"][-PLATEAU_EXPORTS:])
-                                                     for r in rs]),
+                      "heldout_plateau": t_interval([heldout_mean(r["heldout_curve"], plateau) for r in rs]),
+                      # per seed, the variant's minus its seed's sync run's: the plateau, and the early exports at
+                      # the same steps (same cadence), so a per-step difference in what was learned shows apart
+                      # from the seeds' spread
+                      "heldout_plateau_paired": t_interval(gaps(plateau)), "heldout_early_paired": t_interval(gaps(early)),
                       "heldout_speedup": sync_t / ti["mean"] if sync_t and ti["mean"] else None,
                       "heldout_speedup_paired": t_interval(paired),
                       "heldout_equal_wall": t_interval([heldout_at_time(r["heldout_curve"], t_eq) for r in rs]),
@@ -769,7 +789,8 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
                   f"{h['sync_final_heldout']:.3f} (mean over seeds).", "",
                   "| variant | time to sync's final held-out s (seeds reaching; sync: its end) | speed-up over sync | "
                   f"speed-up paired by seed | held-out at equal wall time | held-out plateau (last {PLATEAU_EXPORTS} "
-                  "exports) | final held-out |", "|---|---|---|---|---|---|---|"]
+                  f"exports) | plateau minus sync's, paired | exports {EARLY_EXPORTS[0] + 1}-{EARLY_EXPORTS[1]} minus "
+                  "sync's, paired | final held-out |", "|---|---|---|---|---|---|---|---|---|"]
         for name in order:
             v = h["variants"].get(name)
             if v is None or "time_to_sync_heldout_s" not in v:
@@ -778,7 +799,9 @@ def headline_table(h: dict[str, Any], order: Sequence[str], snapshots: Optional[
                          f"{v['heldout_runs']}) | {f(v['heldout_speedup'], x)} | "
                          f"{_ci(v['heldout_speedup_paired'], x) if name != 'sync' else '-'} | "
                          f"{_ci(v['heldout_equal_wall'])} | {_ci(v['heldout_plateau'])} | "
-                         f"{_ci(v['heldout_final'])} |")
+                         + (f"{_ci(v['heldout_plateau_paired'], '{:+.3f}')} | "
+                            f"{_ci(v['heldout_early_paired'], '{:+.3f}')} | " if name != "sync" else "- | - | ")
+                         + f"{_ci(v['heldout_final'])} |")
         s = h["variants"].get("sync") or {}
         if "crossing_s" in s:
             lines += ["", f"The same crossing rule applied to sync itself reaches {h['sync_final_heldout']:.3f} in "
@@ -810,7 +833,7 @@ def best_eta(runs: list[dict]) -> Optional[int]:
 def _ci(s: dict, fmt: str = "{:.3f}") -> str:
     if s["mean"] is None:
         return "-"
-    half = f" ± {fmt.format(s['ci95'])}" if s["ci95"] is not None else " (1 seed)"
+    half = f" ± {fmt.replace('+', '').format(s['ci95'])}" if s["ci95"] is not None else " (1 seed)"
     return fmt.format(s["mean"]) + half
 
 

@@ -367,7 +367,14 @@ def test_held_out_time_to_sync_final_and_at_equal_wall_by_hand(tmp_path):
     assert bp.best_eta(runs) == 2
     table = bp.headline_table(h, ["sync", "eta2-dec"])
     assert "sync's final held-out accuracy 0.650" in table
-    assert "| eta2-dec | 15 ± 0 (2/2) | 2.67x | 2.67x ± 0.00x | 0.660 ± 0.000 | 0.640 ± 0.000 | 0.660 ± 0.000 |" in table
+    # paired by seed, the variant's minus its sync's: plateau 0.64 - 0.595 and 0.64 - 0.61; the 3rd to 5th exports
+    # (here the 3rd and 4th): (0.68 + 0.66) / 2 - (0.66 + fin) / 2
+    assert e["heldout_plateau_paired"]["values"] == pytest.approx([0.045, 0.03])
+    assert e["heldout_early_paired"]["values"] == pytest.approx([0.03, 0.0])
+    assert s["heldout_plateau_paired"]["n"] == 0  # sync against itself: no column
+    assert ("| eta2-dec | 15 ± 0 (2/2) | 2.67x | 2.67x ± 0.00x | 0.660 ± 0.000 | 0.640 ± 0.000 | +0.038 ± 0.095 | "
+            "+0.015 ± 0.191 | 0.660 ± 0.000 |") in table
+    assert "| sync | 40 ± 0 (2/2) | 1.00x | - | 0.600 ± 0.000 | 0.603 ± 0.095 | - | - | 0.650 ± 0.381 |" in table
     assert "| sync | 40 ± 0 (2/2) | 1.00x | - |" in table
     # the plateau: the mean of the last PLATEAU_EXPORTS (5) exports, here all 4: (0.5 + 0.6 + 0.66 + fin) / 4
     assert s["heldout_plateau"]["values"] == pytest.approx([0.595, 0.61])
