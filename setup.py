@@ -41,7 +41,7 @@ setup(
     install_requires=CORE,
     extras_require={
         # GPU-only packages: imported lazily, never needed on the CPU path.
-        # sglang: the releases whose weight-sync protocol is tested (mega_async/inference/sglang_releases.py)
+        # sglang: the releases whose weight-sync protocol is tested (mega_async/api/sglang_releases.py)
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang>=0.5.18,<=0.5.23", "sglang-router"],
         # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run; pydantic: the reference the
         # embedded server's lax coercions are held to (its integer-size rule changed in 2.14)

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from mega_async.config import ConfigError, load_config
+from mega_async.api.config import ConfigError, load_config
 
 
 def _setup_logging(level: str) -> None:
@@ -45,7 +45,7 @@ def _hold_run_dir(command: str, run_dir: Path) -> Any:
 
 
 def _cmd_init_weights(argv: list[str]) -> int:
-    from mega_async.model_cards import init_random_weights
+    from mega_async.bridge.model_cards import init_random_weights
 
     p = argparse.ArgumentParser(prog="mega-async init-weights", description="random-init safetensors for a model card")
     p.add_argument("model_dir", help="directory with config.json (e.g. models/tiny-qwen3-moe)")
@@ -59,7 +59,7 @@ def _cmd_init_weights(argv: list[str]) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from mega_async import lifeline
+    from mega_async.utils import lifeline
     from mega_async.launch import local
 
     if local.under_launcher():  # a rank: it ends with the command or agent that started it, however they end
@@ -74,10 +74,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if (Path(cfg.model.path) / "config.json").exists():  # a layout that does not fit fails before anything starts
         from transformers import AutoConfig
 
-        from mega_async.allocation import validate_for_model
+        from mega_async.api.allocation import validate_for_model
 
         validate_for_model(layout, AutoConfig.from_pretrained(cfg.model.path))
-    from mega_async.checkpoint import resume_point
+    from mega_async.checkpoint.format import resume_point
     from mega_async.run.lock import RunDirLockError
     from mega_async.run.loop import check_inputs
 
@@ -134,8 +134,8 @@ def _lock_run_dir(cfg: Any) -> Any:
 
 def _finished(cfg: Any, found: Optional[Path]) -> Optional[str]:
     """One line when resuming a run whose last step and final export are done (None: there is work)."""
-    from mega_async.checkpoint import CheckpointError
-    from mega_async.checkpoint_check import read_trainer_json
+    from mega_async.checkpoint.format import CheckpointError
+    from mega_async.checkpoint.check import read_trainer_json
 
     if found is None or not (cfg.run_dir / "final_hf").is_dir():
         return None
@@ -151,7 +151,7 @@ def _finished(cfg: Any, found: Optional[Path]) -> Optional[str]:
 
 
 def _resume_hint(run_dir: Path) -> str:
-    from mega_async.checkpoint import latest_checkpoint
+    from mega_async.checkpoint.format import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
     return (f"; last checkpoint {last.name}: continue with --resume" if last is not None else
@@ -163,7 +163,7 @@ def _train(args: argparse.Namespace, cfg: Any, world: int, lock: Any) -> int:
     import contextlib
     import os
 
-    from mega_async.checkpoint import CheckpointError, checked_resume_point
+    from mega_async.checkpoint.format import CheckpointError, checked_resume_point
     from mega_async.launch import local
     from mega_async.run.console import setup_logging
 
@@ -175,7 +175,7 @@ def _train(args: argparse.Namespace, cfg: Any, world: int, lock: Any) -> int:
         argv = ["train"] + (["-c", args.config] if args.config else []) + (["-v"] if args.verbose else []) \
             + list(args.overrides)
         return local.launch_local(world, argv, run_lock=lock, resume_hint=lambda: _resume_hint(cfg.run_dir))
-    from mega_async.allocation import AllocationError
+    from mega_async.api.allocation import AllocationError
     from mega_async.run.loop import Preempted, run_training
 
     local.stop_on_sigterm()
@@ -222,7 +222,7 @@ def _train(args: argparse.Namespace, cfg: Any, world: int, lock: Any) -> int:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from mega_async.run.console import setup_logging
-    from mega_async.sft import load_sft_config, run_sft
+    from mega_async.run.sft import load_sft_config, run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
     if (lock := _hold_run_dir("sft", cfg.run_dir)) is None:
@@ -257,20 +257,20 @@ class _Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         if self._schema is not None and self.epilog is None:
-            from mega_async.config import describe_config
+            from mega_async.api.config import describe_config
 
             self.epilog = describe_config(self._schema())
         return super().format_help()
 
 
 def _run_schema() -> type:
-    from mega_async.config import RunConfig
+    from mega_async.api.config import RunConfig
 
     return RunConfig
 
 
 def _sft_schema() -> type:
-    from mega_async.sft import SFTConfig  # imports torch: only for `mega-async sft --help`
+    from mega_async.run.sft import SFTConfig  # imports torch: only for `mega-async sft --help`
 
     return SFTConfig
 
@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--verbose", "-v", action="store_true", help="third-party INFO and warnings on the console too")
     f.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_steps=200")
     f.set_defaults(fn=_cmd_sft)
-    sub.add_parser("serve", help="embedded SGLang-protocol server (see python -m mega_async.inference.server -h)",
+    sub.add_parser("serve", help="embedded SGLang-protocol server (see python -m mega_async.server -h)",
                    add_help=False)
     sub.add_parser("init-weights", help="write deterministic random-init weights for a model card",
                    add_help=False)
@@ -310,9 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("launch", help="render and submit a Slurm job (see mega-async launch -h)", add_help=False)
     sub.add_parser("bench", help="nightly throughput benchmark with a regression gate (see mega-async bench -h)",
                    add_help=False)
+    sub.add_parser("pin", help="run a mega-async command with the servers and the trainer on disjoint CPU halves "
+                   "(see mega-async pin -h)", add_help=False)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pin"]:
+        from mega_async.launch.pinning import main as pin
+
+        return pin(argv[1:], run=main)
     if argv[:1] == ["bench"]:
-        from mega_async.bench import main as bench
+        from mega_async.bench.scenarios import main as bench
 
         return bench(argv[1:])
     if argv[:1] == ["launch"]:
@@ -320,11 +326,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return launch(argv[1:])
     if argv[:1] == ["convert"]:
-        from mega_async.convert import main as convert
+        from mega_async.checkpoint.convert import main as convert
 
         return convert(argv[1:])
     if argv[:1] == ["serve"]:
-        from mega_async.inference.server import main as serve
+        from mega_async.server import main as serve
 
         serve(argv[1:])
         return 0
@@ -335,8 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"mega-async init-weights: {e}", file=sys.stderr)
             return 2
     args = parser.parse_args(argv)
-    from mega_async.allocation import AllocationError
-    from mega_async.checkpoint import CheckpointError
+    from mega_async.api.allocation import AllocationError
+    from mega_async.checkpoint.format import CheckpointError
 
     try:
         return args.fn(args)

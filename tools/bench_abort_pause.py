@@ -31,9 +31,9 @@ from bench_scale import cpu_of, export  # noqa: E402 - tools/ is this script's o
 
 def one_round(a: argparse.Namespace, park: bool) -> dict:
     from mega_async.inference.client import SGLangClient
-    from mega_async.inference.fleet import Fleet, FleetConfig
+    from mega_async.inference.sim.fleet import Fleet, FleetConfig
     from mega_async.rollout.runner import AsyncTaskRunner
-    from mega_async.types import ModelRequest, WeightVersion
+    from mega_async.api.types import ModelRequest, WeightVersion
 
     # long answers (no stop before max_new_tokens is likely), so every request is running when the pause comes
     cfg = FleetConfig(length_median=400, length_sigma=0.1, token_latency_s=0.02, batch_latency_s=0.0, ttft_s=0.0,
@@ -104,7 +104,7 @@ def main() -> None:
             for name, tree, mode in variants:
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--round", mode] + [
                     f"--{k.replace('_', '-')}={getattr(a, k)}" for k in ("servers", "inflight", "fleet_procs", "run_s")]
-                # cwd: the fleet's workers run `python -m mega_async.inference.fleet`, which looks there first
+                # cwd: the fleet's workers run `python -m mega_async.inference.sim.fleet`, which looks there first
                 r = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": str(tree)}, cwd=str(tree),
                                    capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:

@@ -2,7 +2,7 @@
 
 Asynchronous RL overlaps generation with training; the overlap bound, (rollout + train) / max(rollout, train),
 assumes the two run on resources that do not slow each other down. On one host with the cores split between
-them (mega_async.pinning), they still share caches, memory bandwidth and, on a virtual machine, perhaps a
+them (mega_async.launch.pinning), they still share caches, memory bandwidth and, on a virtual machine, perhaps a
 physical core. This measures what that costs the server: one embedded server pinned to the first half of the
 CPUs generates `--requests` requests of `--new-tokens` tokens (temperature 1, EOS ignored, all sent at once),
 in rounds that alternate between the other half idle and the other half running a training step loop of the
@@ -47,7 +47,7 @@ while True:
 
 def generation(client, requests: int, new_tokens: int) -> float:
     """Output tokens per second of one round of `requests` requests sent at once."""
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     reqs = [ModelRequest(input_ids=[1 + (7 * i + j) % 900 for j in range(16)], max_new_tokens=new_tokens,
                          temperature=1.0, ignore_eos=True) for i in range(requests)]
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from mega_async.inference.client import SGLangClient
     from mega_async.inference.servers import ServerLauncher, ServerSpec
-    from mega_async.model_cards import ensure_weights
-    from mega_async.pinning import pin_threads, split_cpus
+    from mega_async.bridge.model_cards import ensure_weights
+    from mega_async.launch.pinning import pin_threads, split_cpus
 
     model = a.model
     if model is None:

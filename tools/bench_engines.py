@@ -54,7 +54,7 @@ class Timeline:
 
 
 def generation(client, requests: int, new_tokens: int, rounds: int) -> dict:
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     reqs = [ModelRequest(input_ids=[1 + (7 * i + j) % 900 for j in range(16)], max_new_tokens=new_tokens,
                          temperature=1.0, ignore_eos=True) for i in range(requests)]
@@ -103,7 +103,7 @@ def weight_sync(addresses, pushes: int) -> dict:
     from mega_async.inference.client import SGLangClient
     from mega_async.trainer.model import build_model
     from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
-    from mega_async.types import ModelRequest, WeightVersion
+    from mega_async.api.types import ModelRequest, WeightVersion
 
     models = build_model(str(CARD), "megatron:d1", load_weights=True)
     version = WeightVersion()
@@ -185,7 +185,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM
 
-    from mega_async.model_cards import ensure_weights
+    from mega_async.bridge.model_cards import ensure_weights
 
     ensure_weights(CARD)
     hf = AutoModelForCausalLM.from_pretrained(CARD, dtype=torch.float32).eval()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mega_async.bench import executor_overhead  # noqa: E402
+from mega_async.bench.scenarios import executor_overhead  # noqa: E402
 
 
 def main() -> None:

@@ -30,8 +30,8 @@ import torch
 
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import TINY_MOE, init_random_weights
-from mega_async.types import ModelRequest
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
+from mega_async.api.types import ModelRequest
 
 
 def bench_hf(model_dir: Path, prompts: list[list[int]], lengths: list[int], batch: int) -> float:

@@ -140,8 +140,8 @@ def server_gen(dry: bool, batch: int, new_tokens: int) -> dict[str, Any]:
 
     from mega_async.inference.client import SGLangClient
     from mega_async.inference.servers import ServerLauncher, ServerSpec
-    from mega_async.model_cards import TINY_MOE, init_random_weights
-    from mega_async.types import ModelRequest
+    from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
+    from mega_async.api.types import ModelRequest
 
     d = init_random_weights(TINY_MOE, Path(tempfile.mkdtemp(prefix="bench_gpu_srv_")) / "m", seed=0)
     device = "cpu" if dry else "cuda"
@@ -165,7 +165,7 @@ def server_gen(dry: bool, batch: int, new_tokens: int) -> dict[str, Any]:
 
 
 def _free_port() -> int:
-    from mega_async.comm import free_port
+    from mega_async.utils.comm import free_port
 
     return free_port()
 

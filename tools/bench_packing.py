@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from mega_async.packing import allocate_micro_batches, redistribute_groups
+from mega_async.algo.packing import allocate_micro_batches, redistribute_groups
 
 
 def main() -> None:

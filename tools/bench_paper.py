@@ -22,7 +22,7 @@ SFT weights have the sha256 meta.json recorded. Each run records its CPU (`cpu`)
   eta{E}-dec-inplace       (long-tail sweep, by name) rollout.interrupt=in_place: the servers keep the interrupted
                            requests' KV cache, so nothing is prefilled again after a sync
   ...-unpinned             the same without CPU pinning (every other run pins the servers and the trainer
-                           to disjoint halves of the CPUs: mega_async.pinning)
+                           to disjoint halves of the CPUs: mega-async pin)
   stale{K}                 the control: synchronous (max_staleness 0) but every step trains on a batch generated K
                            versions earlier (rollout.stale_batches=K, a FIFO; no rollout overlaps training)
   ...-lr4 / ...-mb1        sync, eta1-dec and stale1 at a quarter of the config's learning rate / with one PPO
@@ -194,7 +194,7 @@ def pick(variants: list[dict], patterns: Optional[str]) -> list[dict]:
 
 def base_lr(config: str) -> float:
     """trainer.lr of the run config (the -lr4 variants run at a quarter of it)."""
-    from mega_async.config import load_config
+    from mega_async.api.config import load_config
 
     return float(load_config(config).trainer.lr)
 
@@ -353,7 +353,7 @@ def run_figures(history: Sequence[dict], target: float) -> dict[str, Any]:
 
 
 def run_one(v: dict, seed: int, a: argparse.Namespace, sft_dir: Path) -> dict[str, Any]:
-    """One `mega-async train` in a subprocess (pinned through mega_async.pinning when the variant says so),
+    """One `mega-async train` in a subprocess (pinned through `mega-async pin` when the variant says so),
     then the final weights scored on the held-out split."""
     from mega_async.run.report import read_metrics
 
@@ -409,7 +409,7 @@ def heldout_curve(snap_dir: Path, history: Sequence[dict], eval_file: Path) -> l
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from mega_async.data import load_rows
-    from mega_async.sft import exact_match
+    from mega_async.run.sft import exact_match
 
     torch.set_num_threads(1)
     items = load_rows(eval_file)
@@ -438,8 +438,8 @@ def heldout_at_time(hc: Sequence[Sequence[float]], t: float) -> Optional[float]:
 
 
 def train_command(v: dict, seed: int, a: argparse.Namespace, runs_dir: Path, sft_dir: Path) -> list[str]:
-    """The `mega-async train` command line of one (variant, seed) (pinned through mega_async.pinning or not)."""
-    entry = ["-m", "mega_async.pinning", "--"] if v["pin"] else ["-m", "mega_async.cli"]
+    """The `mega-async train` command line of one (variant, seed) (pinned through `mega-async pin` or not)."""
+    entry = ["-m", "mega_async.cli", "pin", "--"] if v["pin"] else ["-m", "mega_async.cli"]
     lr = base_lr(a.config) if v.get("lr_scale", 1.0) != 1.0 else None
     return [sys.executable, *entry, "train", "-c", a.config,
             *overrides(v, seed, a.steps, runs_dir, sft_dir, lr, getattr(a, "snapshots", 0) or 0), *a.overrides]
@@ -449,7 +449,7 @@ def final_eval(model_dir: Path, eval_file: Path, seed: int) -> dict[str, float]:
     import torch
 
     from mega_async.data import load_rows
-    from mega_async.sft import evaluate_dir
+    from mega_async.run.sft import evaluate_dir
 
     torch.set_num_threads(1)
     return evaluate_dir(model_dir, load_rows(eval_file), samples=4, seed=seed)
@@ -1156,7 +1156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     deadline = until(a.until) if a.until else None
     backend = [o.split("=", 1)[1] for o in a.overrides if o.startswith("inference.backend=")]
     if backend and backend[-1] == "sglang":  # the real engine's environment, once, before any run (not per run)
-        from mega_async.inference.sglang_cpu import engine_python
+        from mega_async.inference.sglang.cpu import engine_python
 
         try:
             engine_python()

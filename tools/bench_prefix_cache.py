@@ -24,7 +24,7 @@ import aiohttp
 import torch
 
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 
 async def episode(session: aiohttp.ClientSession, url: str, first: list[int], users: list[list[int]],

@@ -1,6 +1,6 @@
 """Controller cost at scale: our real client, executor and sync pause bracket against a simulated fleet.
 
-For each (N servers, C requests in flight) it starts a fresh fleet (mega_async.inference.fleet) and runs a
+For each (N servers, C requests in flight) it starts a fresh fleet (mega_async.inference.sim.fleet) and runs a
 controller process: WorkflowExecutor(max_concurrent=C, B=C/4, max_staleness=3) over SGLangClient, one weight
 sync per step (the sync's pause bracket + the distributed sync's control plane: begin session, buckets, commit,
 end; no broadcast). It reports controller CPU seconds per consumed trajectory and per step, the pause
@@ -42,7 +42,7 @@ def controller(a: argparse.Namespace) -> dict:
     from mega_async.rollout.executor import WorkflowExecutor
     from mega_async.rollout.workflow import RLVRWorkflow
     from mega_async.trainer.sync import RolloutSide, WeightSync
-    from mega_async.types import WeightVersion
+    from mega_async.api.types import WeightVersion
 
     addresses = Path(a.addresses_file).read_text().split()
     C, B = a.inflight, max(1, a.inflight // (MAX_STALENESS + 1))
@@ -261,7 +261,7 @@ def cpu_of(pids: list[int]) -> float:
 
 def run_one(a: argparse.Namespace, variant: str, tree: Path, n: int, c: int, tmp: Path) -> dict:
     sys.path.insert(0, str(ROOT))
-    from mega_async.inference.fleet import Fleet, FleetConfig
+    from mega_async.inference.sim.fleet import Fleet, FleetConfig
 
     cfg = FleetConfig(**fleet_config(a, n, c))
     procs = max(1, min(a.fleet_procs, n))

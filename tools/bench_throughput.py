@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mega_async.bench import main  # noqa: E402
+from mega_async.bench.scenarios import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 RECEIVER = """
 import datetime, json, sys, torch, torch.distributed as dist
-from mega_async.comm import init_custom_process_group
+from mega_async.utils.comm import init_custom_process_group
 addr, port, sizes = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
 pg = init_custom_process_group("gloo", f"tcp://{addr}:{port}", 2, 1, "raw", datetime.timedelta(seconds=120))
 bufs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
@@ -35,7 +35,7 @@ dist.destroy_process_group(pg)
 
 
 def make_model(root: Path) -> Path:
-    from mega_async.model_cards import TINY_MOE, derive_card
+    from mega_async.bridge.model_cards import TINY_MOE, derive_card
 
     return derive_card(TINY_MOE, root / "bench-moe", seed=0, hidden_size=256, moe_intermediate_size=256,
                        intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
@@ -47,13 +47,13 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from mega_async.comm import free_port, init_custom_process_group
+    from mega_async.utils.comm import free_port, init_custom_process_group
     from mega_async.inference.client import SGLangClient
     from mega_async.inference.servers import ServerLauncher, ServerSpec
     from mega_async.trainer.model import build_model
     from mega_async.trainer.parallel import destroy_parallel_state
     from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
-    from mega_async.types import WeightVersion
+    from mega_async.api.types import WeightVersion
 
     models = build_model(args.model, args.layout, load_weights=True)
     rank0 = dist.get_rank() == 0
@@ -125,8 +125,8 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    from mega_async.allocation import parse_allocation
-    from mega_async.comm import free_port
+    from mega_async.api.allocation import parse_allocation
+    from mega_async.utils.comm import free_port
 
     tmp = Path(tempfile.mkdtemp(prefix="bench_sync_"))
     out = args.out or str(tmp / "results.jsonl")

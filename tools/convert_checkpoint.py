@@ -6,7 +6,7 @@
 """
 import sys
 
-from mega_async.convert import main
+from mega_async.checkpoint.convert import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -28,7 +28,7 @@ def main() -> int:
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from mega_async.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
+    from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
     from mega_async.trainer.model import build_model
     from mega_async.trainer.parallel import init_parallel_state, parse_allocation
     from mega_async.trainer.weights import export_hf_weights

@@ -17,7 +17,7 @@ TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 SMG_VERSION=1.13.0  # the router (sglang-router's successor): forwards SGLang's fields, fans RL control calls out
 # SGLang 0.5.23's requirements left out, each for a reason (names as PEP 503 normalises them)
 EXCLUDED=(
-  sglang-kernel            # CUDA kernels: no CPU wheel on PyPI; mega_async/inference/sglang_cpu/pythonpath/sgl_kernel
+  sglang-kernel            # CUDA kernels: no CPU wheel on PyPI; mega_async/inference/sglang/cpu/pythonpath/sgl_kernel
   flashinfer-python flash-attn-4 sgl-flash-mla  # GPU attention kernels
   sgl-deep-ep sgl-deep-gemm                     # GPU expert-parallel all-to-all and FP8 GEMM
   cuda-python nvshmem4py-cu13 nvidia-cutlass-dsl nvidia-mathdx nvidia-ml-py  # CUDA / NVIDIA bindings

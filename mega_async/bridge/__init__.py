@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mega_async.bridge import fp8, mtp
-from mega_async.safe_load import SafetensorsDir
+from mega_async.utils.safe_load import SafetensorsDir
 
 logger = logging.getLogger("mega_async.bridge")
 

@@ -208,7 +208,7 @@ def write_checkpoint(src: Any, dst: Any, block: tuple[int, int]) -> Any:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from mega_async.model_cards import copy_model_files
+    from mega_async.bridge.model_cards import copy_model_files
 
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)

@@ -49,10 +49,10 @@ except ImportError:  # pragma: no cover - optional
     def _dumps(body: Any) -> bytes:
         return json.dumps(body, separators=(",", ":")).encode()
 
-from mega_async.events import NullEventLog
-from mega_async.inference.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, Release, mtp_plan, serves_draft,
+from mega_async.utils.events import NullEventLog
+from mega_async.api.sglang_releases import (BEGIN_TWICE, END_WITHOUT_BEGIN, Release, mtp_plan, serves_draft,
                                                    session_refusal, untested_reason)
-from mega_async.types import FatalEngineError, ModelRequest, ModelResponse, Version, WeightVersion
+from mega_async.api.types import FatalEngineError, ModelRequest, ModelResponse, Version, WeightVersion
 
 logger = logging.getLogger("mega_async.inference.client")
 

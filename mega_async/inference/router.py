@@ -20,8 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since
-from mega_async.config import ConfigError
+from mega_async.utils.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since
+from mega_async.api.config import ConfigError
 
 logger = logging.getLogger("mega_async.inference.router")
 

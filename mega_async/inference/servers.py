@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since, port_free
-from mega_async.inference import sglang_cpu
-from mega_async.inference.sglang_cpu import engine_python
+from mega_async.utils.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since, port_free
+from mega_async.inference.sglang import cpu as sglang_cpu
+from mega_async.inference.sglang.cpu import engine_python
 
 logger = logging.getLogger("mega_async.inference.servers")
 
@@ -57,7 +57,7 @@ class ServerSpec:
     base_gpu_id: Optional[int] = None  # real SGLang: server i uses GPUs base + i * tp_size ... (after the trainer's)
     extra_args: Sequence[str] = field(default_factory=list)
     allow_untested_sglang: bool = False  # launch an installed SGLang outside the tested release range
-    device: Optional[str] = None  # real SGLang: "cpu" on a machine without a GPU (mega_async.inference.sglang_cpu)
+    device: Optional[str] = None  # real SGLang: "cpu" on a machine without a GPU (mega_async.inference.sglang.cpu)
     radix_cache: Optional[bool] = None  # None: the backend's default (embedded on; real SGLang off, as AReaL)
     python: Optional[str] = None  # real SGLang's interpreter; None: engine_python() (this one when it has SGLang)
 
@@ -86,7 +86,7 @@ def untested_sglang(allow: bool = False, python: Optional[str] = None) -> Option
 
 def release_problem(installed: Optional[str], python: str, allow: bool = False) -> Optional[str]:
     """untested_sglang's verdict on the release `installed` that `python` has."""
-    from mega_async.inference.sglang_releases import TESTED_RANGE, untested_reason
+    from mega_async.api.sglang_releases import TESTED_RANGE, untested_reason
 
     if installed is None:
         where = "" if python == sys.executable else f" in {python}"
@@ -105,7 +105,7 @@ def release_problem(installed: Optional[str], python: str, allow: bool = False) 
 def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
     """The command line for server `index` (the sglang form follows docs/sglang-protocol.md)."""
     if spec.backend == "embedded":
-        cmd = [sys.executable, "-m", "mega_async.inference.server", "--model", spec.model_path, "--host", spec.host,
+        cmd = [sys.executable, "-m", "mega_async.server", "--model", spec.model_path, "--host", spec.host,
                "--port", str(port), "--random-seed", str(spec.seed + index)]
         if spec.weights_root:
             cmd += ["--weights-root", spec.weights_root]
@@ -115,7 +115,7 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
         cmd += ["--num-threads", str(cpu_threads(spec))]
     elif spec.backend == "sglang":
         # through a shim that reads the API key from the environment (never on a command line)
-        entry = "mega_async.inference.sglang_entry" if spec.api_key else "sglang.launch_server"
+        entry = "mega_async.inference.sglang.entry" if spec.api_key else "sglang.launch_server"
         cmd = [spec.python or sys.executable, "-m", entry, "--model-path", spec.model_path, "--host", spec.host,
                "--port", str(port), "--tp-size", str(spec.tp_size), "--random-seed", str(spec.seed + index),
                "--skip-server-warmup"]

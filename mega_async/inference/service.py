@@ -12,8 +12,8 @@ import threading
 import time
 from typing import Any, Optional
 
-from mega_async.config import ConfigError, RunConfig, api_key
-from mega_async.types import Version
+from mega_async.api.config import ConfigError, RunConfig, api_key
+from mega_async.api.types import Version
 
 logger = logging.getLogger("mega_async.inference.service")
 
@@ -47,7 +47,7 @@ def node_address() -> str:
     resolve at all), else the host name's address when it is not loopback; one line when neither is."""
     import socket
 
-    from mega_async.comm import is_loopback, route_source
+    from mega_async.utils.comm import is_loopback, route_source
 
     master = os.environ.get("MASTER_ADDR")
     tried = []
@@ -105,7 +105,7 @@ class InferenceService:
         self.addresses: list[str] = []
         inf = cfg.inference
         if inf.backend == "simulated":
-            from mega_async.inference.simulated import SimulatedEngine
+            from mega_async.inference.sim.simulated import SimulatedEngine
 
             self.engine: Any = SimulatedEngine(vocab_size=self.vocab_size, token_latency=(0.0, 0.002), seed=cfg.seed,
                                                version=version)
@@ -115,7 +115,7 @@ class InferenceService:
 
         from mega_async.inference.client import SGLangClient
         from mega_async.inference.servers import ServerLauncher, ServerSpec
-        from mega_async.model_cards import ensure_weights
+        from mega_async.bridge.model_cards import ensure_weights
 
         n, tp, ep = server_layout(cfg)
         if inf.router == "smg" and api_key(cfg):  # before any server starts
@@ -140,7 +140,7 @@ class InferenceService:
                               allow_untested_sglang=inf.allow_untested_sglang, radix_cache=inf.radix_cache,
                               weights_root=str(weights_root) if weights_root else None,
                               base_gpu_id=gpu,
-                              # no GPU here: real SGLang's CPU engine (mega_async.inference.sglang_cpu)
+                              # no GPU here: real SGLang's CPU engine (mega_async.inference.sglang.cpu)
                               device="cpu" if inf.backend == "sglang" and gpu is None else None,
                               num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
@@ -159,7 +159,7 @@ class InferenceService:
     def _start_router(self, addresses: list[str]) -> str:
         """smg in front of `addresses`; stopped with the servers (close), or at once if this fails."""
         from mega_async.inference.router import RouterLauncher, find_smg
-        from mega_async.inference.sglang_cpu import engine_python
+        from mega_async.inference.sglang.cpu import engine_python
 
         inf = self.cfg.inference
         try:

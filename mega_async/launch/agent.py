@@ -30,7 +30,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    from mega_async.lifeline import ERROR_DIR_ENV, LAUNCHER_ENV, ProcessRef
+    from mega_async.utils.lifeline import ERROR_DIR_ENV, LAUNCHER_ENV, ProcessRef
 
     try:
         torchrun(list(sys.argv[1:] if argv is None else argv))

@@ -4,7 +4,7 @@ under torchrun or srun (many hosts) every rank runs the same command unchanged.
 A failure on any rank stops all ranks (torchrun stops the others; servers die with rank 0) and the
 command exits non-zero with the first failing rank's error in one line ("trainer rank 1 was killed by
 SIGKILL" when a signal ended it). Whatever ends the command ends its whole tree within about a second:
-torchrun has a parent-death signal and every rank watches the command (mega_async.lifeline).
+torchrun has a parent-death signal and every rank watches the command (mega_async.utils.lifeline).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from mega_async import lifeline
+from mega_async.utils import lifeline
 
 ERROR_DIR_ENV = lifeline.ERROR_DIR_ENV
 RUN_LOCK_ENV = "MEGA_ASYNC_RUN_LOCKED"  # the run directory whose lock the launching command holds for the ranks
@@ -70,7 +70,7 @@ def launch_local(nproc: int, argv: Sequence[str], run_lock: Any = None,
     """Run `mega-async <argv>` as `nproc` ranks on this host; returns the exit code (prints one error line, ended by
     `resume_hint()`). `run_lock` (mega_async.run.lock.RunDirLock): torchrun's agent holds it too, so the run
     directory stays locked until the agent, which outlives its ranks, has ended."""
-    from mega_async.comm import free_port
+    from mega_async.utils.comm import free_port
 
     err_dir = tempfile.mkdtemp(prefix="mega_async_ranks_")
     cmd = [sys.executable, "-m", "mega_async.launch.agent", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",

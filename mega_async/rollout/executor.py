@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
-from mega_async.events import NullEventLog
+from mega_async.utils.events import NullEventLog
 from mega_async.reward import RewardUnavailable
 from mega_async.rollout.dataloader import Sample
 from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
@@ -37,7 +37,7 @@ from mega_async.rollout.ledger import Ledger
 from mega_async.rollout.runner import AsyncTaskRunner, RunnerError
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import RolloutWorkflow
-from mega_async.types import FatalEngineError, Version
+from mega_async.api.types import FatalEngineError, Version
 
 logger = logging.getLogger("mega_async.rollout.executor")
 
@@ -81,7 +81,7 @@ class WorkflowExecutor:
         ledger: Ledger | None = None,
         events: Any = None,
     ):
-        self.events = events if events is not None else NullEventLog()  # the run's timeline (mega_async.events)
+        self.events = events if events is not None else NullEventLog()  # the run's timeline (mega_async.utils.events)
         self.engine = engine
         self.workflow = workflow
         self.should_accept = should_accept

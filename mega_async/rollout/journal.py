@@ -15,7 +15,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mega_async.types import ModelRequest, ModelResponse
+from mega_async.api.types import ModelRequest, ModelResponse
 
 
 @dataclass

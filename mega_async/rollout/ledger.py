@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from mega_async.diskspace import append_line, read_jsonl
+from mega_async.utils.diskspace import append_line, read_jsonl
 
 
 def episode_summary(result: Optional[dict]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ import threading
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from mega_async.types import Version, WeightVersion, writable
+from mega_async.api.types import Version, WeightVersion, writable
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mega_async.config import RunConfig, save_config
+from mega_async.api.config import RunConfig, save_config
 
 logger = logging.getLogger("mega_async.run.loop")
 
@@ -38,7 +38,7 @@ class Checkpointer:
     def resume_point(self, rank0: bool, world: int, checked: bool) -> Optional[Path]:
         """The checkpoint to continue from (`trainer.resume`), on every rank. Rank 0 checks it whole first (unless
         the caller did: `checked`), then resets the run directory to it and saves the config."""
-        from mega_async.checkpoint import checked_resume_point, reset_run_dir, resume_point
+        from mega_async.checkpoint.format import checked_resume_point, reset_run_dir, resume_point
         from mega_async.trainer.sync import from_rank0
 
         resume = None
@@ -52,13 +52,13 @@ class Checkpointer:
     @staticmethod
     def version_of(resume: Optional[Path]) -> Optional[int]:
         """The weight version a checkpoint was saved at (None: a fresh run)."""
-        from mega_async.checkpoint_check import read_trainer_json
+        from mega_async.checkpoint.check import read_trainer_json
 
         return int(read_trainer_json(resume / "trainer.json")["version"]) if resume is not None else None
 
     def load(self, resume: Optional[Path], engine: Any) -> Optional[dict]:
         """The checkpoint's model and optimizer into the engine; its trainer.json (with `rollout` on rank 0)."""
-        from mega_async.checkpoint import load_checkpoint
+        from mega_async.checkpoint.format import load_checkpoint
 
         self.engine = engine
         meta = load_checkpoint(resume, engine) if resume is not None else None
@@ -108,8 +108,8 @@ class Checkpointer:
             raise self.preempted
 
     def _save(self, step: int) -> Any:
-        from mega_async.checkpoint import save_checkpoint
-        from mega_async.checkpoint_check import run_record
+        from mega_async.checkpoint.format import save_checkpoint
+        from mega_async.checkpoint.check import run_record
 
         t0 = time.monotonic()
         state, sizes = self.head.snapshot(self.sync) if self.head is not None else (None, {})

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from mega_async.diskspace import append_line
+from mega_async.utils.diskspace import append_line
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 OWN = "mega_async"

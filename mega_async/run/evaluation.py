@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 
 from mega_async.reward import RewardRunner
 from mega_async.rollout.workflow import RLVRWorkflow, gather_or_cancel
-from mega_async.types import ModelRequest
+from mega_async.api.types import ModelRequest
 
 logger = logging.getLogger("mega_async.run.evaluation")
 

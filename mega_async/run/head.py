@@ -10,8 +10,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mega_async.config import RunConfig
-from mega_async.events import EventLog, NullEventLog
+from mega_async.api.config import RunConfig
+from mega_async.utils.events import EventLog, NullEventLog
 from mega_async.inference.service import InferenceService
 from mega_async.rollout.executor import WaitInterrupted, WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
@@ -20,7 +20,7 @@ from mega_async.run.metrics import Metrics, RewardTracker, prefixed
 from mega_async.run.tasks import reward_for, rollout_parts
 from mega_async.trainer.dispatch import StepBatch, timed_share
 from mega_async.trainer.sync.common import from_rank0
-from mega_async.types import VersionView
+from mega_async.api.types import VersionView
 
 logger = logging.getLogger("mega_async.run.loop")  # the step lines are the driver's (the console's progress bar)
 

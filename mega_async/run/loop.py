@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 import torch
 
-from mega_async.config import RunConfig, save_config
-from mega_async.events import EventLog
+from mega_async.api.config import RunConfig, save_config
+from mega_async.utils.events import EventLog
 from mega_async.inference.service import InferenceService
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.run.checkpointer import Checkpointer, Preempted

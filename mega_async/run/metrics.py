@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from mega_async.diskspace import append_line
+from mega_async.utils.diskspace import append_line
 
 logger = logging.getLogger("mega_async.run.metrics")
 

@@ -1,7 +1,7 @@
 """End-of-run report: summary figures from a run's per-step metrics, a printed table, and a PNG of reward,
 throughput, staleness and the step-time split written next to `metrics.jsonl`.
 
-The figures here are also what the nightly benchmark (mega_async/bench.py) and tools/bench_async.py gate
+The figures here are also what the nightly benchmark (mega_async/bench/scenarios.py) and tools/bench_async.py gate
 and tabulate, so a run, a benchmark and the paper table all read the same numbers the same way.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import statistics
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from mega_async.diskspace import read_jsonl, replaced
+from mega_async.utils.diskspace import read_jsonl, replaced
 
 logger = logging.getLogger("mega_async.run.report")
 
@@ -224,7 +224,7 @@ def write_report(run_dir: str | Path, reward_threshold: float = 0.8) -> tuple[Pa
     with replaced(run_dir / "report.png") as tmp:
         plot_run(history, tmp, title=str(run_dir))
     png = run_dir / "report.png"
-    from mega_async.events import draw_run_timeline
+    from mega_async.utils.events import draw_run_timeline
 
     draw_run_timeline(run_dir)  # timeline.png from events.jsonl: rollout and training lanes, weight syncs
     return png, summary_table(s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
-from mega_async.config import ConfigError, RunConfig
+from mega_async.api.config import ConfigError, RunConfig
 from mega_async.data import check_items, load_rows, synthetic_items
 from mega_async.rollout.filters import DynamicFilter
 from mega_async.rollout.workflow import GroupWorkflow, make_workflow
@@ -74,9 +74,9 @@ def check_card_size(cfg: RunConfig) -> None:
     (float32, available memory), and a trainer rank's share (model.dtype, this machine's memory at most)."""
     import psutil
 
-    from mega_async.model_cards import ModelTooLarge, check_fits_memory, has_weights
+    from mega_async.bridge.model_cards import ModelTooLarge, check_fits_memory, has_weights
 
-    from mega_async.allocation import ParallelStrategy
+    from mega_async.api.allocation import ParallelStrategy
 
     trainer, where = cfg.allocation().trainer, f"model.path={cfg.model.path}"
     s = trainer.strategy if trainer is not None else ParallelStrategy()
@@ -145,7 +145,7 @@ def within_prompt_budget(items: list, workflow: Any, cfg: RunConfig) -> list:
 def weights_ready(cfg: RunConfig) -> None:
     """The model card has weights: a tiny card that ships only its config gets its seeded random init here, before
     the run directory is written (a bad model.path fails first)."""
-    from mega_async.model_cards import ensure_weights
+    from mega_async.bridge.model_cards import ensure_weights
 
     ensure_weights(cfg.model.path, seed=cfg.seed)
 

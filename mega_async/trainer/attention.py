@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from mega_async.packing import cp_partition_index
+from mega_async.algo.packing import cp_partition_index
 
 
 class _GatherOverCP(torch.autograd.Function):

@@ -38,9 +38,9 @@ def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
     from megatron.core import parallel_state as mpu
 
     from mega_async.algo.advantages import batch_with_advantages
-    from mega_async.packing import redistribute_groups
+    from mega_async.algo.packing import redistribute_groups
     from mega_async.rollout.workflow import GEN_TIME_KEY
-    from mega_async.types import concat_padded
+    from mega_async.api.types import concat_padded
 
     payload, stats = None, None
     if groups is not None:

@@ -18,10 +18,10 @@ import torch.distributed as dist
 
 from mega_async.algo.loss import (LOG_W_BINS, approximate_proximal_logprobs, decoupled_ppo_loss,
                                   histogram_quantiles, kl_penalty, log_weight_histogram, sft_loss)
-from mega_async.config import AlgorithmConfig, TrainerConfig
-from mega_async.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
+from mega_async.api.config import AlgorithmConfig, TrainerConfig
+from mega_async.algo.packing import Packed, allocate_micro_batches, cp_partition_index, pack, seq_alignment
 from mega_async.trainer.routing import RouteReplay
-from mega_async.types import Version, WeightVersion
+from mega_async.api.types import Version, WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.engine")
 
@@ -42,7 +42,7 @@ class EngineConfig:
     temperature: float = 1.0
     adam_eps: float = 1e-8
     # ppo: the RL objective (algorithm section) | sft: cross-entropy of the loss-mask tokens (no proximal or
-    # reference policy, advantages, behaviour logprobs or versions are read; mega_async.sft)
+    # reference policy, advantages, behaviour logprobs or versions are read; mega_async.run.sft)
     loss: str = "ppo"
     label_smoothing: float = 0.0  # sft: weight of the uniform distribution over the vocabulary in the target
 

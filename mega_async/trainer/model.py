@@ -109,7 +109,7 @@ def _build(bridge: Any) -> list[torch.nn.Module]:
 def _rank_memory() -> int:
     """What one rank's model may take: its GPU's memory (Megatron builds the weights there), else its share of the
     host's available memory (the node's ranks build at once)."""
-    from mega_async.model_cards import available_memory
+    from mega_async.bridge.model_cards import available_memory
 
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0")) % max(1, torch.cuda.device_count())
@@ -128,7 +128,7 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     Megatron's local modules), local, or te.
     """
     from mega_async.bridge import HFBridge, _hf_config, load_hf_weights
-    from mega_async.model_cards import check_fits_memory
+    from mega_async.bridge.model_cards import check_fits_memory
 
     strategy = as_strategy(allocation)
     check_fits_memory(hf_dir_or_config, str(hf_dir_or_config) if isinstance(hf_dir_or_config, (str, os.PathLike))

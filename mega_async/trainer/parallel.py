@@ -1,14 +1,14 @@
 """Megatron process groups: torch.distributed from torchrun/srun or a private one-rank group, Megatron's
 parallel state (TP, PP, VPP, CP, EP, ETP) on nccl or gloo, and their teardown.
 
-The allocation grammar lives in `mega_async.allocation` (re-exported here for older imports).
+The allocation grammar lives in `mega_async.api.allocation` (re-exported here for older imports).
 """
 from __future__ import annotations
 
 import os
 from typing import Any, Optional
 
-from mega_async.allocation import (  # noqa: F401  (re-exported public names)
+from mega_async.api.allocation import (  # noqa: F401  (re-exported public names)
     INFERENCE_BACKENDS,
     TRAINER_BACKENDS,
     Allocation,
@@ -41,7 +41,7 @@ def init_distributed(backend: Optional[str] = None) -> None:
     published = "MASTER_PORT" not in os.environ and PORT_FILE_ENV in os.environ and world > 1  # the Slurm job
     if "MASTER_ADDR" in os.environ and ("MASTER_PORT" in os.environ or published):  # torchrun / Slurm
         if world > 1:  # gloo groups (the default on CPU, the control group always) across hosts
-            from mega_async.comm import pin_gloo_interface
+            from mega_async.utils.comm import pin_gloo_interface
 
             pin_gloo_interface(os.environ["MASTER_ADDR"])
         if published:  # rank 0's store binds a port the kernel picks, and says which
@@ -54,7 +54,7 @@ def init_distributed(backend: Optional[str] = None) -> None:
         raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are unset: launch with torchrun")
     # a plain process: a private 1-rank group; the environment is left untouched, so child processes
     # (servers, converters) never inherit a port that this process holds
-    from mega_async.comm import PORT_ATTEMPTS, free_port, lost_the_port
+    from mega_async.utils.comm import PORT_ATTEMPTS, free_port, lost_the_port
 
     for attempt in range(1, PORT_ATTEMPTS + 1):
         try:

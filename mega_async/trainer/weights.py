@@ -22,7 +22,7 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from mega_async.model_cards import copy_model_files
+from mega_async.bridge.model_cards import copy_model_files
 
 logger = logging.getLogger("mega_async.trainer.weights")
 

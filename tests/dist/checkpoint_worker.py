@@ -11,9 +11,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from safetensors.torch import save_file
 
-from mega_async.checkpoint import load_checkpoint, save_checkpoint
-from mega_async.packing import redistribute_groups
-from mega_async.types import WeightVersion
+from mega_async.checkpoint.format import load_checkpoint, save_checkpoint
+from mega_async.algo.packing import redistribute_groups
+from mega_async.api.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
 from tests.dist.engine_worker import GROUP, synthetic_batch
@@ -44,7 +44,7 @@ def main() -> None:
         eng.train_batch(share(synthetic_batch(seed=0)))
         save_checkpoint(args.run_dir, 0, eng, version=1, allocation=args.layout, rollout_state={"x": 1})
     else:
-        from mega_async.checkpoint import latest_checkpoint
+        from mega_async.checkpoint.format import latest_checkpoint
 
         meta = load_checkpoint(latest_checkpoint(args.run_dir), eng)
         assert meta["step"] == 0 and meta["version"] == 1

@@ -11,7 +11,7 @@ from typing import Optional
 
 import pytest
 
-from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
 from tests.dist.jobs import run_grouped
 
 

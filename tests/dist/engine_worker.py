@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from mega_async.algo.loss import kl_penalty
-from mega_async.packing import redistribute_groups
-from mega_async.types import WeightVersion
+from mega_async.algo.packing import redistribute_groups
+from mega_async.api.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
 

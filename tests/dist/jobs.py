@@ -26,7 +26,7 @@ ROOT = HERE.parents[1]
 
 def torchrun(script: str, nproc: int, *args: str) -> None:
     """One worker script in its own launch (`torchrun --nproc-per-node=nproc tests/dist/<script> <args>`)."""
-    from mega_async.comm import free_port
+    from mega_async.utils.comm import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            str(HERE / script), *args]
@@ -38,7 +38,7 @@ def torchrun(script: str, nproc: int, *args: str) -> None:
 def run_jobs(nproc: int, jobs: dict[str, list[str]], out_dir: Path, timeout: float = 1200) -> dict[str, Optional[str]]:
     """Run `jobs` ({name: [script in tests/dist, *args]}) in order in one torchrun launch of `nproc` ranks;
     returns {name: None if it passed on every rank, else what went wrong}."""
-    from mega_async.comm import free_port
+    from mega_async.utils.comm import free_port
 
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "jobs.json"

@@ -7,7 +7,7 @@ import os
 import torch
 
 from mega_async.algo.loss import decoupled_ppo_loss
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state
 from tests.dist.engine_worker import synthetic_batch

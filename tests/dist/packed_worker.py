@@ -5,7 +5,7 @@ from mega_async.trainer.model import build_model
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-from mega_async.packing import pack, seq_alignment
+from mega_async.algo.packing import pack, seq_alignment
 models = build_model(sys.argv[1], sys.argv[2], load_weights=True)
 m = models[0]; m.eval()
 tp = mpu.get_tensor_model_parallel_world_size()

@@ -13,8 +13,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_worker import GROUP, synthetic_batch  # noqa: E402
 
-from mega_async.packing import redistribute_groups  # noqa: E402
-from mega_async.types import WeightVersion
+from mega_async.algo.packing import redistribute_groups  # noqa: E402
+from mega_async.api.types import WeightVersion
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa: E402
 from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from mega_async.data.addition import addition_items, char_ids, sft_example
-from mega_async.sft import sft_batch
+from mega_async.run.sft import sft_batch
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 from mega_async.trainer.parallel import destroy_parallel_state, init_distributed
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.checkpoint import CheckpointError, check_dist_checkpoint, latest_checkpoint
-from mega_async.checkpoint_check import verify_manifest, write_manifest
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.checkpoint.format import CheckpointError, check_dist_checkpoint, latest_checkpoint
+from mega_async.checkpoint.check import verify_manifest, write_manifest
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from tests.dist.jobs import run_grouped, torchrun
 from tests.unit.test_untrusted_checkpoint import poisoned
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mega_async.comm import free_port
-from mega_async.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
+from mega_async.utils.comm import free_port
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_DENSE, TINY_GLM, TINY_MOE, init_random_weights
 from tests.dist.jobs import run_grouped
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from jobs import torchrun  # noqa: E402
@@ -57,7 +57,7 @@ def test_cp_partition_index_is_megatrons_load_balanced_layout():
     """Two sequences of 8 and 4 tokens at CP2: rank r holds chunks r and 3-r of each."""
     import torch
 
-    from mega_async.packing import cp_partition_index
+    from mega_async.algo.packing import cp_partition_index
 
     cu = torch.tensor([0, 8, 12], dtype=torch.int32)
     assert cp_partition_index(cu, 2, 0).tolist() == [0, 1, 6, 7, 8, 11]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "tests" / "dist" / "export_worker.py"

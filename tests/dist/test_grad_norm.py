@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file  # noqa: F401
 
-from mega_async.model_cards import TINY_DEEPSEEK, TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_MOE, init_random_weights
 from tests.dist.jobs import run_grouped
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 from tests.dist.jobs import run_grouped
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -46,7 +46,7 @@ def reference(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     token; Megatron embeds token 0 there)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from mega_async.inference.server.weights import load_named_tensors
+    from mega_async.server.weights import load_named_tensors
 
     tokens, _ = batch()
     cfg = AutoConfig.from_pretrained(model_dir)

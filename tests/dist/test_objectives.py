@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from tests.dist.jobs import run_jobs
 
 pytestmark = pytest.mark.slow  # three single-rank Megatron engines (one launch)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_parity import hf_logits, result, run_all  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from mega_async.trainer.parallel import parse_allocation
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -29,7 +29,7 @@ def read(out: Path) -> tuple[dict, dict, dict]:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM
+    from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM
 
     root = tmp_path_factory.mktemp("r3")
     return {"moe": init_random_weights(TINY_MOE, root / "moe", seed=0),

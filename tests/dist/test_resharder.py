@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.model_cards import init_random_weights
+from mega_async.bridge.model_cards import init_random_weights
 from tests.dist.jobs import run_jobs
 
 BUDGET = 48 << 10  # the tiny MoE is about 1.5 MiB: dozens of buckets
@@ -96,7 +96,7 @@ def test_buckets_equal_unsharded_export(moe, resharded, name):
 
 @pytest.fixture(scope="module")
 def families(tmp_path_factory):
-    from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM
+    from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM
 
     root = tmp_path_factory.mktemp("rs-families")
     return {"deepseek": init_random_weights(TINY_DEEPSEEK, root / "deepseek", seed=3),

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.model_cards import init_random_weights
+from mega_async.bridge.model_cards import init_random_weights
 from tests.dist.jobs import run_jobs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,7 @@ import torch
 
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import ensure_weights
+from mega_async.bridge.model_cards import ensure_weights
 from mega_async.rollout.executor import WaitInterrupted, WorkflowExecutor
 from mega_async.rollout.ledger import Ledger
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
@@ -22,7 +22,7 @@ from mega_async.run.head import await_groups
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 PROBE = [3, 14, 15, 92, 65, 35]
 ITEMS = [{"input_ids": [1 + i % 50, 2, 3], "answer": i} for i in range(64)]

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.inference import sglang_cpu
+from mega_async.inference.sglang import cpu as sglang_cpu
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 
 @pytest.fixture(scope="session")

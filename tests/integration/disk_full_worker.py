@@ -18,11 +18,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-    import mega_async.checkpoint as ckpt
-    from mega_async.checkpoint_check import verify_manifest
+    import mega_async.checkpoint.format as ckpt
+    from mega_async.checkpoint.check import verify_manifest
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
     from mega_async.trainer.parallel import destroy_parallel_state
-    from mega_async.types import WeightVersion
+    from mega_async.api.types import WeightVersion
     from tests.dist.engine_worker import synthetic_batch
 
     result: dict = {}

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.fleet import Fleet, FleetConfig
-from mega_async.inference.fleet.schedule import parse_fractions, random_schedule
+from mega_async.inference.sim.fleet import Fleet, FleetConfig
+from mega_async.inference.sim.fleet.schedule import parse_fractions, random_schedule
 from mega_async.rollout.dataloader import Sample
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.ledger import Ledger
@@ -20,7 +20,7 @@ from mega_async.rollout.workflow import RLVRWorkflow
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 ETA, B = 2, 32
 

@@ -10,11 +10,11 @@ import time
 import torch
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.fleet import Fleet, FleetConfig
+from mega_async.inference.sim.fleet import Fleet, FleetConfig
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.api.types import ModelRequest, WeightVersion
 
 
 def main() -> None:

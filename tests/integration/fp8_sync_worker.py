@@ -15,7 +15,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
 from mega_async.trainer.sync import DiskWeightSync, DistributedWeightSync, RolloutSide
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 100, 2], [500, 1, 9, 26, 5, 3, 58]]
 
@@ -37,8 +37,8 @@ def hf_logprobs(card: Path, tensors: dict, rows: list[dict]) -> list[list[float]
     cfg = AutoConfig.from_pretrained(card)
     del cfg.quantization_config
     m = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    from mega_async.inference.server.weights import load_named_tensors
-    from mega_async.model_cards import append_mtp_layers
+    from mega_async.server.weights import load_named_tensors
+    from mega_async.bridge.model_cards import append_mtp_layers
 
     append_mtp_layers(cfg, m)  # the card's MTP layer (as published) is held too; the forward does not run it
 
@@ -98,7 +98,7 @@ def main() -> None:
 
 
 def _stored(d: Path):
-    from mega_async.inference.server.weights import read_safetensors_dir
+    from mega_async.server.weights import read_safetensors_dir
 
     return list(read_safetensors_dir(d))
 

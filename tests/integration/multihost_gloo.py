@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from mega_async.comm import destroy_custom_process_group, init_custom_process_group
+from mega_async.utils.comm import destroy_custom_process_group, init_custom_process_group
 from mega_async.inference.service import node_address
 
 kind = sys.argv[1]

@@ -7,8 +7,8 @@ from typing import Any
 
 from aiohttp import web
 
-from mega_async.comm import free_port
-from mega_async.inference.server.app import EmbeddedServer
+from mega_async.utils.comm import free_port
+from mega_async.server.app import EmbeddedServer
 
 
 class InProcessServer:

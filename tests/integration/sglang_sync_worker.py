@@ -22,7 +22,7 @@ from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
 from mega_async.trainer.weights import export_hf_weights
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 
 async def _call(client: SGLangClient, method: str, path: str, body=None) -> tuple:

@@ -25,7 +25,7 @@ from mega_async.inference.servers import ServerLauncher, ServerSpec  # noqa: E40
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa: E402
 from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
 from mega_async.trainer.sync import DiskWeightSync, DistributedWeightSync, RolloutSide, SyncError  # noqa: E402
-from mega_async.types import WeightVersion  # noqa: E402
+from mega_async.api.types import WeightVersion  # noqa: E402
 
 TIMEOUT = 60.0  # trainer.sync_timeout: every fault must be found long before it
 

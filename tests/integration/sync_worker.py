@@ -24,7 +24,7 @@ from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
 from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.api.types import ModelRequest, WeightVersion
 
 PROBE = [3, 14, 15, 92, 65, 35]
 

@@ -11,7 +11,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.rollout.agent import AgentWorkflow
 from mega_async.rollout.workflow import MultiTurnWorkflow
 from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 from .conftest import post, ref_logprobs, run
 

@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from mega_async.rollout import chat
 from mega_async.rollout.agent import AgentWorkflow, parse_tool_calls
-from mega_async.types import ModelRequest, ModelResponse
+from mega_async.api.types import ModelRequest, ModelResponse
 
 CARD = "models/tiny-qwen3-moe"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mega_async.model_cards import ensure_weights
+from mega_async.bridge.model_cards import ensure_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("bench_contention", ROOT / "tools" / "bench_contention.py")

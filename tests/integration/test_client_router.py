@@ -10,7 +10,7 @@ import time
 import pytest
 
 from mega_async.inference.client import SGLangClient
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.api.types import ModelRequest, WeightVersion
 from .conftest import post
 from .server_inproc import InProcessServer
 

@@ -10,7 +10,7 @@ from mega_async.inference.servers import ServerLauncher, ServerSpec, server_comm
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
 from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.api.types import ModelRequest, WeightVersion
 
 from .conftest import get, post, run
 
@@ -76,7 +76,7 @@ def test_api_key_and_commands(weights_root, tmp_path):
         pid = launcher.procs[0].pid
         assert b"s3cret" not in open(f"/proc/{pid}/cmdline", "rb").read()  # the key travels in the environment
     keyed = server_command(ServerSpec("sglang", "/m", api_key="s3cret"), 30000)
-    assert "mega_async.inference.sglang_entry" in keyed and "--api-key" not in keyed and "s3cret" not in keyed
+    assert "mega_async.inference.sglang.entry" in keyed and "--api-key" not in keyed and "s3cret" not in keyed
     assert not _alive(pid)
     sg = ServerSpec("sglang", "/m", tp_size=16, ep_size=16, dp_size=2, enable_dp_attention=True,
                     moe_a2a_backend="deepep", extra_args=["--enable-eplb"])

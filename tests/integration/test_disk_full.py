@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.diskspace import DiskFull, read_jsonl
-from mega_async.events import EventLog, read_events
+from mega_async.utils.diskspace import DiskFull, read_jsonl
+from mega_async.utils.events import EventLog, read_events
 from mega_async.rollout.ledger import Ledger, read_ledger
 from mega_async.run.console import RunDirFileHandler
 from mega_async.run.metrics import Metrics
@@ -60,7 +60,7 @@ def test_a_checkpoint_on_a_full_disk_says_so_and_the_older_one_loads(small_fs, t
     """Step 0 (7.2 MB) fits on 10 MB, step 1 does not: refused before writing (the free space is less than the state
     dict needs), and, with that check passed, the write running out of space is reported as a full disk, not as
     torch's `CheckpointException ranks:dict_keys([0])`. Step 0 stays intact and loads; no partial write is left."""
-    from mega_async.model_cards import TINY_MOE, init_random_weights
+    from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
     model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=5)
     fs = small_fs("10m")
@@ -89,7 +89,7 @@ def test_events_on_a_full_disk_never_end_in_a_torn_line(small_fs, caplog):
     fs = small_fs("256k")
     fill(fs)
     log = EventLog(fs / "events.jsonl")
-    with caplog.at_level(logging.WARNING, logger="mega_async.events"):
+    with caplog.at_level(logging.WARNING, logger="mega_async.utils.events"):
         for i in range(200):  # ~100 bytes each: the page fills, and one write is cut short
             log.emit("episode_finished", i=i, verdict="accepted", pad="x" * 40)
     log.close()

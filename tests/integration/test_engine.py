@@ -5,9 +5,9 @@ import time
 import pytest
 import torch
 
-from mega_async.inference.server.engine import GenerationEngine, GenRequest
-from mega_async.inference.server.weights import WeightLoadError, checkpoint_names, load_named_tensors, read_safetensors_dir
-from mega_async.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
+from mega_async.server.engine import GenerationEngine, GenRequest
+from mega_async.server.weights import WeightLoadError, checkpoint_names, load_named_tensors, read_safetensors_dir
+from mega_async.bridge.model_cards import TINY_DENSE, TINY_MOE, init_random_weights
 
 from .conftest import ref_logprobs
 

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from mega_async.inference.server.engine import GenerationEngine, GenRequest
-from mega_async.inference.server.routing import RouteRecorder
-from mega_async.inference.server.weights import load_named_tensors, load_pretrained, read_safetensors_dir
-from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
+from mega_async.server.engine import GenerationEngine, GenRequest
+from mega_async.server.routing import RouteRecorder
+from mega_async.server.weights import load_named_tensors, load_pretrained, read_safetensors_dir
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 
 from .conftest import ref_logprobs
 
@@ -155,7 +155,7 @@ def test_the_http_server_serves_both_families(model_dir, tmp_path):
 
     from mega_async.inference.client import SGLangClient
     from mega_async.inference.servers import ServerLauncher, ServerSpec
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     spec = ServerSpec("embedded", str(model_dir), weights_root=str(model_dir.parent),
                       extra_args=["--enable-return-routed-experts"])

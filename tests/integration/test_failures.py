@@ -11,7 +11,7 @@ import time
 import pytest
 from aiohttp import web
 
-from mega_async.comm import free_port
+from mega_async.utils.comm import free_port
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.rollout.executor import RolloutError, WorkflowExecutor
@@ -142,9 +142,9 @@ def test_a_restarted_server_whose_port_was_taken_while_it_was_down_is_followed_a
     """A server the run launched dies; before the supervisor starts it again, another process listens on its port.
     It is started at a new free port, and the client follows it there (generation reaches it, never the other
     process), with one line saying so and a server_moved event; a later restart keeps the new port."""
-    from mega_async.events import EventLog
+    from mega_async.utils.events import EventLog
     from mega_async.inference.service import ServerSupervisor
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     spec = ServerSpec("embedded", str(weights_root / "v0"), weights_root=str(weights_root), num_threads=1)
     events = EventLog(tmp_path / "events.jsonl")
@@ -258,7 +258,7 @@ def test_driver_stops_when_its_only_server_dies(tmp_path):
         assert p.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
     servers = [c for c in psutil.Process(p.pid).children(recursive=True)
-               if "mega_async.inference.server" in " ".join(c.cmdline())]
+               if "mega_async.server" in " ".join(c.cmdline())]
     assert len(servers) == 1
     servers[0].kill()
     t0 = time.monotonic()
@@ -299,7 +299,7 @@ def test_a_killed_server_is_restarted_and_serves_the_current_version(tmp_path, w
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
             time.sleep(0.1)
         servers = [c for c in psutil.Process(p.pid).children(recursive=True)
-                   if "mega_async.inference.server" in " ".join(c.cmdline())]
+                   if "mega_async.server" in " ".join(c.cmdline())]
         assert len(servers) == 2
         servers[0].kill()
         out, err = p.communicate(timeout=900)

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from mega_async.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

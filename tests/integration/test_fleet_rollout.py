@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.fleet import Fleet, FleetConfig
+from mega_async.inference.sim.fleet import Fleet, FleetConfig
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.workflow import RLVRWorkflow
 from mega_async.trainer.sync import RolloutSide, WeightSync
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.api.types import ModelRequest, WeightVersion
 
 ETA, B = 2, 48
 
@@ -251,8 +251,8 @@ def test_more_requests_in_flight_than_open_files_wait_for_connections():
 import asyncio, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.fleet import Fleet, FleetConfig
-from mega_async.types import ModelRequest
+from mega_async.inference.sim.fleet import Fleet, FleetConfig
+from mega_async.api.types import ModelRequest
 with Fleet(8, FleetConfig(length_median=20, length_sigma=0.0, token_latency_s=0.002, ttft_s=0.01), in_thread=True) as f:
     client = SGLangClient(f.addresses, retry_backoff=0.01)
     async def main():
@@ -277,8 +277,8 @@ def test_requests_waiting_for_a_connection_neither_time_out_nor_block_control_ca
 import asyncio, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (1152, 1152))
 from mega_async.inference.client import SGLangClient, connection_budget
-from mega_async.inference.fleet import Fleet, FleetConfig
-from mega_async.types import ModelRequest
+from mega_async.inference.sim.fleet import Fleet, FleetConfig
+from mega_async.api.types import ModelRequest
 assert connection_budget() == 64, connection_budget()
 with Fleet(4, FleetConfig(length_median=40, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0,
                           max_running_requests=1000), in_thread=True) as f:
@@ -372,7 +372,7 @@ def test_abort_in_flight_aborts_ahead_of_sglangs_pause_and_leaves_the_embedded_s
     client aborts first on such servers and waits for the answers, so the pause finds none running. The embedded
     server's pause has no such wait: nothing is aborted ahead there (its answers are read after the pause, with
     the rollout loop parked)."""
-    from mega_async.inference.sglang_releases import Release
+    from mega_async.api.sglang_releases import Release
 
     with Fleet(1, FleetConfig(length_median=200, length_sigma=0.0, token_latency_s=0.01, ttft_s=0.0,
                               pause_poll_s=1.0), in_thread=True) as f:

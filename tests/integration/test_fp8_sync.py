@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mega_async.bridge import fp8
-from mega_async.model_cards import TINY_DEEPSEEK, init_random_weights
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("fp8_sync_worker.py")

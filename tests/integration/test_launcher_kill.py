@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from mega_async.run.lock import RunDirLock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -51,7 +51,7 @@ def start(model: Path, tmp: Path, allocation: str) -> tuple[subprocess.Popen, Pa
         time.sleep(0.5)
     tree = psutil.Process(p.pid).children(recursive=True)
     cmds = " ".join(_cmd(c) for c in tree)
-    assert "mega_async.inference.server" in cmds and "spawn_main" in cmds and "resource_tracker" in cmds, cmds
+    assert "mega_async.server" in cmds and "spawn_main" in cmds and "resource_tracker" in cmds, cmds
     return p, run, tree
 
 

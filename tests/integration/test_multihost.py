@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from tests.integration import netns_hosts
 from tests.integration.netns_hosts import Hosts, SlurmOnHosts
 

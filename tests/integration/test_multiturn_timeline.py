@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.events import read_events, spans
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.utils.events import read_events, spans
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow  # a server, two trainer ranks, three steps

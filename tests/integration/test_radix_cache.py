@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from mega_async.inference.server.engine import GenerationEngine, GenRequest
+from mega_async.server.engine import GenerationEngine, GenRequest
 
 from .conftest import get, post, ref_logprobs
 from .server_inproc import InProcessServer
@@ -172,7 +172,7 @@ def test_one_batch_of_hits_misses_and_partial_hits(engine, hf_models):
 def test_kv_from_before_a_weight_change_is_never_cached(engine, weights_root, hf_models):
     """New weights land while a request runs (an in-place update): its KV mixes both versions, so when it
     finishes it must not enter the (reset) tree; the next turn is computed afresh under the new weights."""
-    from mega_async.inference.server.weights import load_named_tensors, read_safetensors_dir
+    from mega_async.server.weights import load_named_tensors, read_safetensors_dir
 
     v1 = list(read_safetensors_dir(weights_root / "v1"))
     v0 = list(read_safetensors_dir(weights_root / "v0"))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.checkpoint import latest_checkpoint
+from mega_async.checkpoint.format import latest_checkpoint
 from mega_async.rollout.dataloader import EpochLoader
 from mega_async.rollout.ledger import read_ledger
 

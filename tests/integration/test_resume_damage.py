@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.checkpoint import latest_checkpoint
-from mega_async.checkpoint_check import write_manifest
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.checkpoint.format import latest_checkpoint
+from mega_async.checkpoint.check import write_manifest
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["trainer.save_interval=1", "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16",

@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.config import load_config
-from mega_async.inference import sglang_cpu
+from mega_async.api.config import load_config
+from mega_async.inference.sglang import cpu as sglang_cpu
 from mega_async.inference.router import RouterLauncher
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import ensure_weights
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.bridge.model_cards import ensure_weights
+from mega_async.api.types import ModelRequest, WeightVersion
 from .conftest import REAL_ENGINE, get, post
 
 pytestmark = REAL_ENGINE

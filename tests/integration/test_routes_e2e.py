@@ -10,7 +10,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.rollout.workflow import trajectory_from_response
 from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
-from mega_async.types import ModelRequest, WeightVersion
+from mega_async.api.types import ModelRequest, WeightVersion
 
 PROMPT = [5, 17, 300, 42, 7, 99]
 
@@ -107,7 +107,7 @@ def test_driver_trains_with_routing_replay(tmp_path):
     sys.path.insert(0, str(Path(__file__).parent))
     from test_train_driver import ROOT, leftovers, train_cmd
 
-    from mega_async.model_cards import TINY_MOE, init_random_weights
+    from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
     model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=2)
     cmd = train_cmd(model, tmp_path, "sglang:d1+megatron:d1", "algorithm.routing_replay=true",

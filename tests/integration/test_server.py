@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from mega_async.inference.client import SGLangClient
-from mega_async.comm import free_port
+from mega_async.utils.comm import free_port
 from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
-from mega_async.types import ModelRequest, ModelResponse, WeightVersion
+from mega_async.api.types import ModelRequest, ModelResponse, WeightVersion
 
 from .conftest import get, greedy_ok, post, ref_logprobs, run
 
@@ -379,7 +379,7 @@ def _trainer_rank0(port: int, names: list, path: str, q) -> None:
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from mega_async.comm import init_custom_process_group
+    from mega_async.utils.comm import init_custom_process_group
 
     try:
         pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "wu", datetime.timedelta(seconds=60))

@@ -120,7 +120,7 @@ def _busy_round(addr: str, n: int, hold_s: float, **client_kw):
     import asyncio
 
     from mega_async.inference.client import SGLangClient
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     async def main():
         client = SGLangClient([addr], retry_backoff=0.05, max_retries=1, **client_kw)
@@ -157,7 +157,7 @@ def test_busy_past_the_request_timeout_fails_in_one_line(bounded):
     import asyncio
 
     from mega_async.inference.client import SGLangClient
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     addr = bounded.address
     held, t = fill_the_queue(bounded)

@@ -1,5 +1,5 @@
 """Server flags reported as started (issue 25.3/25.4): an in-process server (cheap) started with them."""
-from mega_async.inference.server.cli import parse_args
+from mega_async.server.cli import parse_args
 
 from .conftest import get, post
 from .server_inproc import InProcessServer

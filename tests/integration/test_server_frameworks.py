@@ -4,7 +4,7 @@ import multiprocessing as mp
 import pytest
 import torch
 
-from mega_async.comm import free_port
+from mega_async.utils.comm import free_port
 
 from .conftest import get, post, ref_logprobs
 from .test_server import _trainer_rank0

@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 import torch
 
-from mega_async.comm import free_port
+from mega_async.utils.comm import free_port
 
 from .conftest import get, post, ref_logprobs, run
 
@@ -164,7 +164,7 @@ def test_sigterm_stops_generation_at_once(weights_root, tmp_path):
     """SIGTERM while a long request decodes: the request is answered (aborted) and the process exits in seconds."""
     port = free_port()
     log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "mega_async.inference.server", "--model", str(weights_root / "v0"),
+    proc = subprocess.Popen([sys.executable, "-m", "mega_async.server", "--model", str(weights_root / "v0"),
                              "--port", str(port), "--num-threads", "1"], stdout=log, stderr=subprocess.STDOUT)
     addr = f"127.0.0.1:{port}"
     try:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import ensure_weights
+from mega_async.bridge.model_cards import ensure_weights
 from .conftest import REAL_ENGINE, get, post
 
 pytestmark = REAL_ENGINE

@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mega_async.comm import free_port
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.utils.comm import free_port
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 from .sglang_releases import NEWEST, OLDEST, ensure_sglang
 from .sglang_stubs import for_version

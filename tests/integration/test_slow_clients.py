@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.comm import free_port
+from mega_async.utils.comm import free_port
 
 FDS = 1024  # the server's open-file limit, soft and hard (as in the report)
 
@@ -23,7 +23,7 @@ def _start(model: str, log: Path, *flags: str):
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (FDS, FDS))
 
-    proc = subprocess.Popen([sys.executable, "-m", "mega_async.inference.server", "--model", model, "--port",
+    proc = subprocess.Popen([sys.executable, "-m", "mega_async.server", "--model", model, "--port",
                              str(port), "--log-level", "WARNING", *flags], preexec_fn=limit,
                             stdout=subprocess.DEVNULL, stderr=log.open("w"))
     deadline = time.monotonic() + 120

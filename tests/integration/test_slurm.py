@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -90,7 +90,7 @@ def server_procs(tmp: Path) -> list[psutil.Process]:
     out = []
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if cmd[1:3] == ["-m", "mega_async.inference.server"] and str(tmp) in " ".join(cmd):
+        if cmd[1:3] == ["-m", "mega_async.server"] and str(tmp) in " ".join(cmd):
             out.append(p)
     return out
 
@@ -112,7 +112,7 @@ def test_tiny_gsm8k_job_completes_with_metrics(slurm, model, tmp_path, jobs):
     for name in ("job.log", "driver.log", "server0.log", f"slurm-{job}.out"):
         assert (logs / name).stat().st_size > 0, name
     assert "training finished" in (logs / "job.log").read_text()
-    assert "mega_async.inference.server" in (logs / "server0.log").read_text()
+    assert "mega_async.server" in (logs / "server0.log").read_text()
     assert not leftovers(tmp_path)
 
 

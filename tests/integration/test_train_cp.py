@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).parent))
 from test_train_driver import ROOT, leftovers, train_cmd  # noqa: E402
 
-from mega_async.model_cards import TINY_MOE, init_random_weights  # noqa: E402
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights  # noqa: E402
 
 
 @pytest.mark.slow  # two ranks, three steps: about two minutes on 2 cores

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mega_async.inference.servers import ServerLauncher, ServerSpec
-from mega_async.model_cards import TINY_MOE, derive_card, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, derive_card, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.config import load_config
+from mega_async.api.config import load_config
 from mega_async.run.loop import run_training
-from mega_async.model_cards import TINY_MOE, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from mega_async.comm import free_port
-from mega_async.inference.server.protocol import TensorSpec, byte_ranges, unflatten
+from mega_async.utils.comm import free_port
+from mega_async.server.protocol import TensorSpec, byte_ranges, unflatten
 
 from .conftest import get, greedy_ok, post, ref_logprobs
 
@@ -448,7 +448,7 @@ def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
 
     from mega_async.inference.client import SGLangClient
     from mega_async.trainer.sync import RolloutSide, WeightSync
-    from mega_async.types import WeightVersion
+    from mega_async.api.types import WeightVersion
 
     addr = server.addresses[0]
     st, out = post(addr, "/weights_checker", {"action": "checksum"})

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.model_cards import TINY_MOE, derive_card, init_random_weights
+from mega_async.bridge.model_cards import TINY_MOE, derive_card, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("sync_worker.py")

@@ -12,8 +12,8 @@ from typing import Iterator
 
 import torch
 
-from mega_async.checkpoint import _rng_state, checkpoint_path
-from mega_async.checkpoint_check import run_record, write_manifest
+from mega_async.checkpoint.format import _rng_state, checkpoint_path
+from mega_async.checkpoint.check import run_record, write_manifest
 
 WEIGHT = "decoder.layers.self_attention.linear_proj.weight"
 EXTRA = "decoder.layers.self_attention.linear_proj._extra_state"
@@ -58,7 +58,7 @@ def save_model_dir(d: Path, weight: torch.Tensor | None = None) -> Path:
 def rollout_state(seed: int) -> dict:
     """What RolloutHead.snapshot saves: executor episodes, dataset position, reward counters."""
     from mega_async.rollout.journal import CallRecord
-    from mega_async.types import ModelResponse
+    from mega_async.api.types import ModelResponse
 
     ep = {"tag": 0, "data": {"index": 3}, "head": 2, "state": "done", "journal": [],
           "result": {"input_ids": torch.ones(2, 5, dtype=torch.long), "rewards": torch.zeros(2)}}

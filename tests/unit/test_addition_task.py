@@ -6,10 +6,10 @@ import torch
 from transformers import AutoTokenizer
 
 from mega_async.algo.loss import sft_loss
-from mega_async.config import ConfigError
+from mega_async.api.config import ConfigError
 from mega_async.data import addition as task
 from mega_async.reward.addition import addition_reward
-from mega_async.sft import load_sft_config, sft_batch
+from mega_async.run.sft import load_sft_config, sft_batch
 
 CARD = "models/tiny-addition"
 

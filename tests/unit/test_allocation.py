@@ -1,7 +1,7 @@
 import pytest
 from transformers import AutoConfig
 
-from mega_async.model_cards import TINY_DENSE, TINY_MOE
+from mega_async.bridge.model_cards import TINY_DENSE, TINY_MOE
 from mega_async.trainer.parallel import AllocationError, ParallelStrategy, parse_allocation, validate_for_model
 
 
@@ -62,7 +62,7 @@ def test_engine_refuses_expert_tp_above_attention_tp():
 
 
 def test_duplicate_role_names_are_rejected():
-    from mega_async.allocation import AllocationError, parse_allocation
+    from mega_async.api.allocation import AllocationError, parse_allocation
 
     with pytest.raises(AllocationError, match=r"role name \[actor\].*both sglang and megatron"):
         parse_allocation("sglang[actor]:d2+megatron[actor]:d4")

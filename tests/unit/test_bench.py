@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async import bench, bench_gate
+from mega_async.bench import gate as bench_gate, scenarios as bench
 from mega_async.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]

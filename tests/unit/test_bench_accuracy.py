@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async import bench, bench_gate
+from mega_async.bench import gate as bench_gate, scenarios as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,8 +6,8 @@ import threading
 import time
 
 
-from mega_async.bench import executor_overhead
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.bench.scenarios import executor_overhead
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.runner import AsyncTaskRunner
 from mega_async.rollout.workflow import RLVRWorkflow

@@ -4,9 +4,9 @@ import gc
 
 import pytest
 
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 
 class Probe(WeightSync):

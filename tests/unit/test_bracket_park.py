@@ -4,11 +4,11 @@ import threading
 
 import pytest
 
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.runner import AsyncTaskRunner
 from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 
 class Engine(SimulatedEngine):

@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-from mega_async.checkpoint import CheckpointError, checked_resume_point, latest_checkpoint
-from mega_async.checkpoint_check import MANIFEST, validate_checkpoint, verify_manifest, write_manifest
-from mega_async.config import load_config
-from mega_async.safe_load import dist_load
+from mega_async.checkpoint.format import CheckpointError, checked_resume_point, latest_checkpoint
+from mega_async.checkpoint.check import MANIFEST, validate_checkpoint, verify_manifest, write_manifest
+from mega_async.api.config import load_config
+from mega_async.utils.safe_load import dist_load
 from tests.unit.checkpoint_builder import (EXTRA, TINY, WEIGHT, one_rank_group, rollout_state, save_model_dir,
                                            sharded_state_dict, write_run_checkpoint)
 
@@ -96,7 +96,7 @@ def test_a_log_shorter_than_the_checkpoint_saw_is_refused_a_missing_one_is_not(r
     refused(cfg, r"metrics\.jsonl: \d+ bytes, the checkpoint saw \d+ \(metrics_bytes in .*trainer\.json\).*move it "
                  "away to resume without its old lines")
     (cfg.run_dir / "metrics.jsonl").unlink()
-    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint.format"):
         assert checked_resume_point(cfg, 1) == ck
     assert "metrics.jsonl is missing (the checkpoint saw" in caplog.text
 
@@ -239,7 +239,7 @@ def test_metrics_linked_out_of_the_run_dir_is_neither_followed_nor_truncated(run
     (cfg.run_dir / "metrics.jsonl").unlink()
     os.symlink(outside, cfg.run_dir / "metrics.jsonl")
     refused(cfg, r"metrics\.jsonl: is a symbolic link")
-    from mega_async.checkpoint import resume_point
+    from mega_async.checkpoint.format import resume_point
 
     with pytest.raises(CheckpointError, match="symbolic link"):
         resume_point(cfg.run_dir, "auto")  # a fresh start (no checkpoint) would truncate it too
@@ -269,7 +269,7 @@ def test_a_changed_batch_size_or_target_needs_an_override(run, tmp_path, caplog,
     refused(changed, rf"trainer\.json: the checkpoint's run had {key}={then}, this config has {value}; resume with "
                      rf"{key}={then}, or pass trainer.resume_override=\[{key}\]")
     ok = config(tmp_path, f"{key}={value}", f"trainer.resume_override=[{key}]")
-    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint.format"):
         assert checked_resume_point(ok, 1) == ck
     assert f"with {key}={value} (the checkpoint's run had {then})" in caplog.text
 
@@ -287,7 +287,7 @@ def test_an_old_checkpoint_without_a_manifest_is_checked_and_accepted_with_a_war
     meta = json.loads((ck / "trainer.json").read_text())
     del meta["run"], meta["model_config"]
     (ck / "trainer.json").write_text(json.dumps(meta))
-    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mega_async.checkpoint.format"):
         assert checked_resume_point(cfg, 1) == ck
     assert "has no manifest.json" in caplog.text and "has no record of its run" in caplog.text
     edit_json(ck / "trainer.json", version="3")  # everything but the checksums is still checked

@@ -8,7 +8,7 @@ import socket
 from aiohttp import web
 
 from mega_async.inference.client import REABORT_S, SGLangClient
-from mega_async.inference.sglang_releases import Release
+from mega_async.api.sglang_releases import Release
 from tests.unit.thread_server import ThreadServer
 
 

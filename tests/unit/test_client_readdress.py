@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from mega_async.comm import free_port, listens, port_free
+from mega_async.utils.comm import free_port, listens, port_free
 from mega_async.inference.client import SGLangClient
 
 

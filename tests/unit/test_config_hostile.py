@@ -9,9 +9,9 @@ from typing import Optional
 
 import pytest
 
-from mega_async import config
-from mega_async.config import ConfigError, RunConfig, load_config
-from mega_async.sft import SFTConfig, load_sft_config
+from mega_async.api import config
+from mega_async.api.config import ConfigError, RunConfig, load_config
+from mega_async.run.sft import SFTConfig, load_sft_config
 
 
 def laughs(levels: int = 9, under: str = "inference:\n  extra_args: ") -> str:
@@ -80,7 +80,7 @@ def test_ordinary_anchors_and_merge_keys_still_work(tmp_path):
 
 
 def test_the_bound_is_on_expanded_values(tmp_path):
-    from mega_async.config import MAX_YAML_NODES, read_yaml
+    from mega_async.api.config import MAX_YAML_NODES, read_yaml
 
     p = tmp_path / "a.yaml"
     p.write_text(laughs(4, under="seed: 1\n#"))  # 11,111 values once expanded: under the bound
@@ -137,7 +137,7 @@ def test_nan_in_a_file_names_the_key(tmp_path):
 
 
 def test_a_field_may_allow_inf_but_never_nan():
-    from mega_async.config import check_finite
+    from mega_async.api.config import check_finite
 
     @dataclass
     class Section:
@@ -163,7 +163,7 @@ def test_validate_checks_a_config_built_in_code():
 
 
 def test_sft_old_steps_name_loads_with_one_warning(tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="mega_async.config")
+    caplog.set_level(logging.WARNING, logger="mega_async.api.config")
     assert load_sft_config(None, ["trainer.steps=5", "trainer.warmup_steps=1"]).trainer.total_steps == 5
     warned = [r.getMessage() for r in caplog.records]
     assert warned == ["trainer.steps was renamed to trainer.total_steps: write trainer.total_steps (the old name "

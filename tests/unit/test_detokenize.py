@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from mega_async.inference.server.detokenize import IncrementalDecoder, StreamedText
-from mega_async.model_cards import TINY_MOE
+from mega_async.server.detokenize import IncrementalDecoder, StreamedText
+from mega_async.bridge.model_cards import TINY_MOE
 
 
 class Counting:
@@ -110,7 +110,7 @@ def test_each_token_is_decoded_a_bounded_number_of_times(tok, kind):
 def test_stop_matcher_finds_what_the_whole_decode_holds_in_bounded_work(tok):
     """The engine's stop check: the first token at which the decoded output contains a stop string (the old
     check's rule), found by searching only the tail; a 4000-character stop string costs no more per token."""
-    from mega_async.inference.server.detokenize import StopMatcher
+    from mega_async.server.detokenize import StopMatcher
 
     rng = random.Random(2)
     for trial in range(40):

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from mega_async.events import (EventLog, NullEventLog, draw_run_timeline, draw_timeline, in_flight, read_events,
+from mega_async.utils.events import (EventLog, NullEventLog, draw_run_timeline, draw_timeline, in_flight, read_events,
                                spans)
 
 WRITER = """
 import sys
-from mega_async.events import EventLog
+from mega_async.utils.events import EventLog
 log = EventLog(sys.argv[1], rank=int(sys.argv[2]))
 for i in range(300):
     log.emit("train_step_start", step=i, pad="x" * 2000)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import ExecutorQueueFull, WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
 from mega_async.rollout.runner import AsyncTaskRunner, RunnerError

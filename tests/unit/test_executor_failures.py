@@ -4,10 +4,10 @@ import time
 
 import pytest
 
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import RolloutError, WorkflowExecutor
 from mega_async.rollout.workflow import RolloutWorkflow
-from mega_async.types import FatalEngineError
+from mega_async.api.types import FatalEngineError
 
 
 class Failing(RolloutWorkflow):

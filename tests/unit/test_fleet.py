@@ -1,4 +1,4 @@
-"""The simulated fleet (mega_async.inference.fleet): its model, schedules and SGLang protocol, served in a thread of
+"""The simulated fleet (mega_async.inference.sim.fleet): its model, schedules and SGLang protocol, served in a thread of
 this process. Cheap: latencies of a millisecond per token."""
 import asyncio
 import json
@@ -9,10 +9,10 @@ import urllib.request
 
 import pytest
 
-from mega_async.inference.fleet import Fleet, FleetConfig, random_schedule, version_of_logprob
-from mega_async.inference.fleet.model import TokenModel, logprob_for
-from mega_async.inference.fleet.schedule import FailureEvent, parse_fractions, parse_schedule
-from mega_async.inference.sglang_releases import BEGIN_TWICE, session_refusal
+from mega_async.inference.sim.fleet import Fleet, FleetConfig, random_schedule, version_of_logprob
+from mega_async.inference.sim.fleet.model import TokenModel, logprob_for
+from mega_async.inference.sim.fleet.schedule import FailureEvent, parse_fractions, parse_schedule
+from mega_async.api.sglang_releases import BEGIN_TWICE, session_refusal
 
 FAST = dict(length_median=40, length_sigma=0.5, token_latency_s=0.001, batch_latency_s=0.0, ttft_s=0.0,
             load_s=0.01)
@@ -85,7 +85,7 @@ def test_logprobs_encode_the_version(version):
 def test_logprob_json_is_each_tokens_own_entry_across_spans_the_pool_end_and_a_stop_token():
     import json
 
-    from mega_async.inference.fleet.model import ENTRY_TABLES, POOL_SIZE
+    from mega_async.inference.sim.fleet.model import ENTRY_TABLES, POOL_SIZE
 
     m = TokenModel(FleetConfig())
     for offset, n, spans in [(5, 10, [(0, 10, 3)]), (POOL_SIZE - 4, 9, [(0, 2, 1), (2, 9, 2)]),
@@ -274,7 +274,7 @@ def test_fleet_processes_serve_many_servers_without_torch(tmp_path):
         status, out = generate(f.addresses[39], [1, 2], 5)
         assert status == 200 and len(out["output_ids"]) == 5
         assert len(f.state()) == 40
-    code = "import sys, mega_async.inference.fleet.host; print('torch' in sys.modules)"
+    code = "import sys, mega_async.inference.sim.fleet.host; print('torch' in sys.modules)"
     import subprocess
     import sys
 
@@ -289,7 +289,7 @@ def test_fleet_workers_end_with_the_process_that_started_them(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys, time; from mega_async.inference.fleet import Fleet, FleetConfig; "
+    code = ("import sys, time; from mega_async.inference.sim.fleet import Fleet, FleetConfig; "
             "f = Fleet(2, FleetConfig(), procs=2); f.start(); "
             "print(' '.join(str(p.pid) for p in f._workers), flush=True); time.sleep(120)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

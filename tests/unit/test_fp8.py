@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from mega_async.bridge import HFTensors, fp8
-from mega_async.inference.server.weights import (WeightLoadError, checkpoint_names, load_named_tensors, load_pretrained,
+from mega_async.server.weights import (WeightLoadError, checkpoint_names, load_named_tensors, load_pretrained,
                                                  read_safetensors_dir, updates_dequantized)
-from mega_async.model_cards import TINY_DEEPSEEK, init_random_weights
+from mega_async.bridge.model_cards import TINY_DEEPSEEK, init_random_weights
 
 
 def reference_dequant(q: torch.Tensor, s: torch.Tensor, block) -> torch.Tensor:
@@ -150,7 +150,7 @@ def test_the_embedded_server_loads_fp8_dequantized(cards, tmp_path):
      "FP8 weights change by design"),
 ])
 def test_the_config_key(overrides, needle):
-    from mega_async.config import ConfigError, load_config
+    from mega_async.api.config import ConfigError, load_config
 
     assert load_config(None, ["trainer.sync_weight_format=fp8_block"]).trainer.sync_weight_format == "fp8_block"
     with pytest.raises(ConfigError, match=needle):

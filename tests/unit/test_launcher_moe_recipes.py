@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from mega_async.allocation import parse_allocation
+from mega_async.api.allocation import parse_allocation
 from mega_async.cli import main
 from mega_async.launch.slurm import fit
 from mega_async.launch.slurm.plan import LaunchError, plan_job

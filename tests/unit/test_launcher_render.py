@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mega_async.cli import main
-from mega_async.config import TrainerConfig
+from mega_async.api.config import TrainerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = {"qwen3_30b_a3b_gsm8k_2x8.yaml": (2, 8), "qwen3_235b_a22b_gsm8k_10x8.yaml": (10, 8)}
@@ -67,7 +67,7 @@ def test_cpu_config_asks_for_no_gpus(capsys, tmp_path):
     assert rc == 0, err
     bash_ok(script, tmp_path)
     assert "--gpus-per-node" not in script and "--gres" not in script and "--exclusive" not in script
-    assert "mega_async.inference.server --model" in script and "sglang" not in script.split("set -uo")[1]
+    assert "mega_async.server --model" in script and "sglang" not in script.split("set -uo")[1]
     assert "TRAINER_RANKS=1" in script and "--no-requeue" in script
 
 

@@ -1,4 +1,4 @@
-"""Processes of a run end with the process that started them, however it ends (mega_async/lifeline.py):
+"""Processes of a run end with the process that started them, however it ends (mega_async/utils/lifeline.py):
 a process is known by pid and start time; a watcher ends its whole tree once what it watches is gone; a child
 started with `child_preexec` dies with its parent; Megatron's checkpoint-writer manager (and multiprocessing's
 resource tracker with it) ends with the process that saved, under kill -9 too."""
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from mega_async.lifeline import ProcessRef
+from mega_async.utils.lifeline import ProcessRef
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -51,7 +51,7 @@ def test_a_process_is_its_pid_and_start_time():
 
 WATCHER = """
 import subprocess, sys, time
-from mega_async.lifeline import ProcessRef, watch
+from mega_async.utils.lifeline import ProcessRef, watch
 watch([ProcessRef.of(int(sys.argv[1]))])
 kids = [subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"], start_new_session=True)]
 print(" ".join(str(k.pid) for k in kids), flush=True)
@@ -71,8 +71,8 @@ def test_a_watcher_ends_its_tree_when_the_watched_process_dies():
 
 ORPHAN = """
 import os, subprocess, sys, time
-from mega_async.lifeline import watch
-code = "import os, sys, time; from mega_async.lifeline import watch; watch([], parent=os.getppid()); " \\
+from mega_async.utils.lifeline import watch
+code = "import os, sys, time; from mega_async.utils.lifeline import watch; watch([], parent=os.getppid()); " \\
        "print(os.getpid(), flush=True); time.sleep(60)"
 child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
 print(child.stdout.readline().strip(), flush=True)
@@ -90,7 +90,7 @@ def test_a_rank_ends_when_its_parent_is_killed():
 
 PREEXEC = """
 import signal, subprocess, time
-from mega_async.lifeline import child_preexec
+from mega_async.utils.lifeline import child_preexec
 p = subprocess.Popen(["sleep", "60"], preexec_fn=child_preexec(signal.SIGKILL))
 print(p.pid, flush=True)
 time.sleep(60)
@@ -109,7 +109,7 @@ def test_a_child_started_with_the_preexec_dies_with_its_parent():
 GUARD = """
 import os, time
 import psutil
-from mega_async.lifeline import guard_checkpoint_writer
+from mega_async.utils.lifeline import guard_checkpoint_writer
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
 guard_checkpoint_writer()
 guard_checkpoint_writer()  # once

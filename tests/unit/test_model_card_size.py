@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.model_cards import (TINY_DEEPSEEK, TINY_GLM, TINY_MOE, ModelTooLarge, check_fits_memory,
+from mega_async.bridge.model_cards import (TINY_DEEPSEEK, TINY_GLM, TINY_MOE, ModelTooLarge, check_fits_memory,
                                     count_params, init_random_weights)
 
 ABSURD = [{"num_hidden_layers": 10**6}, {"num_hidden_layers": 10**15}, {"hidden_size": 10**7},
@@ -39,7 +39,7 @@ def _refusal(fn, card: Path, *expect: str) -> str:
 
 @pytest.mark.parametrize("fields", ABSURD, ids=lambda f: ",".join(f"{k}={v:.0e}" for k, v in f.items()))
 def test_an_absurd_card_is_refused_by_every_loader_before_it_allocates(tmp_path, fields):
-    from mega_async.inference.server.weights import load_pretrained
+    from mega_async.server.weights import load_pretrained
     from mega_async.trainer.model import build_model
 
     card = _card(tmp_path, **fields)
@@ -100,7 +100,7 @@ def test_cards_initialised_at_once_by_several_processes_end_whole(tmp_path):
     import sys
 
     out, go = tmp_path / "card", tmp_path / "go"
-    code = ("import os, sys, time; import transformers; from mega_async.model_cards import init_random_weights; "
+    code = ("import os, sys, time; import transformers; from mega_async.bridge.model_cards import init_random_weights; "
             "print('ready', flush=True)\nwhile not os.path.exists(sys.argv[3]): time.sleep(0.005)\n"
             "init_random_weights(sys.argv[1], sys.argv[2], seed=0, force=True)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(TINY_MOE), str(out), str(go)], stdout=subprocess.PIPE,

@@ -3,7 +3,7 @@ weight sync sends them to (pure; the models run in tests/dist/test_mtp.py)."""
 import torch
 
 from mega_async.bridge import mtp
-from mega_async.inference.sglang_releases import Release, mtp_plan, serves_draft
+from mega_async.api.sglang_releases import Release, mtp_plan, serves_draft
 from mega_async.trainer.mtp import mtp_targets
 
 
@@ -56,7 +56,7 @@ def test_which_servers_get_the_mtp_layers():
 def test_mtp_settings_for_a_model_without_mtp_layers_are_refused_not_ignored(tmp_path):
     import pytest
 
-    from mega_async.config import ConfigError, TrainerConfig, load_config
+    from mega_async.api.config import ConfigError, TrainerConfig, load_config
     from mega_async.run.tasks import check_inputs
 
     TrainerConfig().check_mtp(0)  # the defaults say nothing

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mega_async.packing import allocate_micro_batches, ffd_allocate, pack, redistribute_groups, seq_alignment, unpack
+from mega_async.algo.packing import allocate_micro_batches, ffd_allocate, pack, redistribute_groups, seq_alignment, unpack
 
 
 @settings(max_examples=200, deadline=None)

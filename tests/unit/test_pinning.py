@@ -1,4 +1,4 @@
-"""mega_async.pinning: CPU lists, the equal split, and pinning every thread of real child processes."""
+"""mega_async.launch.pinning: CPU lists, the equal split, and pinning every thread of real child processes."""
 import os
 import subprocess
 import sys
@@ -6,7 +6,8 @@ import time
 
 import pytest
 
-from mega_async import pinning
+from mega_async.cli import main as cli
+from mega_async.launch import pinning
 
 CPUS = sorted(os.sched_getaffinity(0))
 
@@ -39,7 +40,7 @@ def affinities(pid: int) -> list[set]:
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="needs two CPUs")
 def test_server_pinner_pins_every_thread_of_server_children_only():
-    server, other = child("mega_async.inference.server", "--port", "1"), child("other")
+    server, other = child("mega_async.server", "--port", "1"), child("other")
     try:
         with pinning.ServerPinner([CPUS[0]], interval=0.05) as pin:
             deadline = time.monotonic() + 10
@@ -55,7 +56,7 @@ def test_server_pinner_pins_every_thread_of_server_children_only():
 
 
 def test_command_line_refuses_odd_sets_and_missing_command(capsys):
-    assert pinning.main(["--cpus", "0-2", "--", "train"]) == 2
+    assert cli(["pin", "--cpus", "0-2", "--", "train"]) == 2
     assert "two equal halves" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        pinning.main(["--cpus", "0-1", "--"])
+        cli(["pin", "--cpus", "0-1", "--"])

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mega_async.comm import lost_the_port
+from mega_async.utils.comm import lost_the_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_the_one_rank_group_of_a_plain_process_tries_another_port():
     r = run("""
         import socket
         import torch.distributed as dist
-        import mega_async.comm as comm
+        import mega_async.utils.comm as comm
         from mega_async.trainer.parallel import init_distributed
 
         held = socket.socket(); held.bind(("127.0.0.1", 0)); held.listen()

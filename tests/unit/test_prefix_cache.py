@@ -3,7 +3,7 @@ lock refs, reset, and the admission plan; KV here is a fake one-layer tensor hol
 gathered prefix can be checked against the tokens it claims to be."""
 import torch
 
-from mega_async.inference.server.prefix_cache import (IN_BATCH_DEPRIORITIZE_THRESHOLD, RadixCache, common_prefix_len,
+from mega_async.server.prefix_cache import (IN_BATCH_DEPRIORITIZE_THRESHOLD, RadixCache, common_prefix_len,
                                                       plan_round, row_source, stack_prefixes)
 
 

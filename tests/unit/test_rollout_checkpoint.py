@@ -11,7 +11,7 @@ from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
 from mega_async.rollout.ledger import Ledger, read_ledger
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
-from mega_async.types import ModelRequest, ModelResponse, WeightVersion
+from mega_async.api.types import ModelRequest, ModelResponse, WeightVersion
 
 
 class StreamingEngine:
@@ -162,7 +162,7 @@ def test_dynamic_filter_counters_and_drop_run_survive_a_checkpoint(tmp_path):
 
 
 def test_reset_run_dir_cuts_metrics_ledger_and_timeline_back_to_the_checkpoint(tmp_path):
-    from mega_async.checkpoint import reset_run_dir
+    from mega_async.checkpoint.format import reset_run_dir
 
     ck = tmp_path / "checkpoints" / "step_00000003"
     ck.mkdir(parents=True)

@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 GROUP = 2
 

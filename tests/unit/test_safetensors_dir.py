@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import save_file
 
 from mega_async.bridge import HFTensors
-from mega_async.inference.server.weights import WeightLoadError, read_safetensors_dir
-from mega_async.safe_load import CheckpointError, SafetensorsDir
+from mega_async.server.weights import WeightLoadError, read_safetensors_dir
+from mega_async.utils.safe_load import CheckpointError, SafetensorsDir
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 import torch
 
-from mega_async.inference.server.sampling import sample
+from mega_async.server.sampling import sample
 
 
 def freqs(logits, n, **kw):

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from mega_async.inference.server.engine import GenRequest
-from mega_async.inference.server.generate_protocol import (GenerateLimits, Options, check_text, meta_info,
+from mega_async.server.engine import GenRequest
+from mega_async.server.generate_protocol import (GenerateLimits, Options, check_text, meta_info,
                                                            output_text, parse_generate, parse_sampling, prompt_items,
                                                            version_spans)
-from mega_async.inference.server.protocol import ContractError, ValueRejected, error_body
-from mega_async.inference.server.routing import encode_routes
-from mega_async.inference.server.sampling import process_logits, sample_full
+from mega_async.server.protocol import ContractError, ValueRejected, error_body
+from mega_async.server.routing import encode_routes
+from mega_async.server.sampling import process_logits, sample_full
 
 LIM = GenerateLimits(vocab_size=100, max_context=64, max_new_tokens_cap=1 << 16, tokenizer=None, max_token_chars=4)
 
@@ -141,7 +141,7 @@ def test_lax_coercions_are_pydantics(kind):
     ours follow (setup.py: pydantic>=2.14), so a fresh install cannot bring a reference that disagrees."""
     pydantic = pytest.importorskip("pydantic")
     assert tuple(int(x) for x in pydantic.VERSION.split(".")[:2]) >= (2, 14), pydantic.VERSION
-    from mega_async.inference.server.protocol import FieldError, lax_bool, lax_int, lax_str
+    from mega_async.server.protocol import FieldError, lax_bool, lax_int, lax_str
 
     ours = {"int": lax_int, "bool": lax_bool, "str": lax_str}[kind]
     ref = pydantic.TypeAdapter({"int": int, "bool": bool, "str": str}[kind])
@@ -160,7 +160,7 @@ def test_lax_coercions_are_pydantics(kind):
 def test_areal_and_slime_control_bodies_validate_as_sglang():
     """AReaL's own calls (sglang_remote.py): master_port as a string, the disk update's misspelt
     abort_all_request (SGLang ignores unknown keys); other frameworks' booleans as strings; the one-line refusals."""
-    from mega_async.inference.server.protocol import BadRequest, validate_request
+    from mega_async.server.protocol import BadRequest, validate_request
 
     areal_init = {"master_address": "127.0.0.1", "master_port": str(29500), "rank_offset": 1, "world_size": 2,
                   "backend": "nccl", "group_name": "update_weight_group"}
@@ -197,7 +197,7 @@ def test_areal_and_slime_control_bodies_validate_as_sglang():
 
 
 def test_openai_scalars_coerce_as_sglangs_pydantic_models():
-    from mega_async.inference.server.protocol import BadRequest, validate_openai
+    from mega_async.server.protocol import BadRequest, validate_openai
 
     out = validate_openai("/v1/chat/completions", {"messages": [], "max_tokens": "8", "top_p": "0.9", "n": 2.0,
                                                    "logprobs": "true", "stop_token_ids": ["7"]})
@@ -233,7 +233,7 @@ def test_n_samples_share_one_checked_prompt_and_the_body_is_bounded():
 
 
 def test_stop_strings_are_bounded_as_sglang_and_by_total_length():
-    from mega_async.inference.server.generate_protocol import MAX_STOP_CHARS
+    from mega_async.server.generate_protocol import MAX_STOP_CHARS
 
     assert len(parse_sampling({"stop": ["a"] * 32})["stop"]) == 32
     with pytest.raises(ValueRejected, match="^at most 32 stop strings are allowed, got 33$"):  # SGLang 0.5.23's
@@ -268,7 +268,7 @@ def test_logit_bias_and_stop_ids_cost_one_build_not_one_a_step():
 def test_top_logprobs_are_bounded_per_body():
     """top_logprobs_num x tokens x samples is what the server keeps and sends: the whole vocabulary for 32k
     tokens (one small body) would be billions of entries; past 2^24 it is one 400 (SGLang has no bound)."""
-    from mega_async.inference.server.generate_protocol import MAX_TOP_LOGPROB_ENTRIES
+    from mega_async.server.generate_protocol import MAX_TOP_LOGPROB_ENTRIES
 
     lim = GenerateLimits(vocab_size=1 << 17, max_context=1 << 16, max_new_tokens_cap=1 << 16)
     ok = {"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 20,

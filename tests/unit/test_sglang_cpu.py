@@ -12,8 +12,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from mega_async.inference import servers, sglang_cpu
-from mega_async.inference.sglang_cpu import patches
+from mega_async.inference import servers
+from mega_async.inference.sglang import cpu as sglang_cpu
+from mega_async.inference.sglang.cpu import patches
 
 
 def _stand_in():
@@ -131,7 +132,7 @@ def test_the_radix_cache_setting_reaches_both_backends():
     assert [flags("embedded", r) for r in (None, True, False)] == [0, 0, 1]
     assert [flags("sglang", r) for r in (None, True, False)] == [1, 0, 1]
     assert flags("sglang", None, ["--disable-radix-cache"]) == flags("embedded", False, ["--disable-radix-cache"]) == 1
-    from mega_async.config import load_config
+    from mega_async.api.config import load_config
 
     assert load_config(None, ["inference.radix_cache=true"]).inference.radix_cache is True
     assert load_config(None, []).inference.radix_cache is None

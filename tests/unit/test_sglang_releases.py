@@ -4,7 +4,7 @@ import sys
 import pytest
 
 from mega_async.inference import servers
-from mega_async.inference.sglang_releases import Release, parse_version, untested_reason
+from mega_async.api.sglang_releases import Release, parse_version, untested_reason
 
 
 @pytest.mark.parametrize("s, want", [("0.5.23", (0, 5, 23)), ("0.5.15.post1", (0, 5, 15)), ("v0.5.21rc0", (0, 5, 21)),

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from mega_async.config import ConfigError, RolloutConfig
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.api.config import ConfigError, RolloutConfig
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.filters import DynamicFilter
 from mega_async.rollout.workflow import RolloutWorkflow

@@ -95,7 +95,7 @@ def test_thread_safety_invariants():
 def test_version_is_read_from_its_one_owner():
     """The staleness manager and the client read the WeightVersion its owner (the sync) bumps."""
     from mega_async.inference.client import SGLangClient
-    from mega_async.types import WeightVersion
+    from mega_async.api.types import WeightVersion
 
     wv = WeightVersion()
     sm = StalenessManager(100, 2, 0, version=wv)

@@ -11,10 +11,10 @@ import pytest
 from aiohttp import web
 
 from mega_async.inference.client import SGLangClient, ServerError, ServerTimeout
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
 from mega_async.trainer.sync.common import HttpLoop, PhaseTimeout
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 from tests.unit.thread_server import ThreadServer
 
 
@@ -106,7 +106,7 @@ def test_a_silent_server_is_named_and_not_waited_for_again(mute):
 def test_requests_on_a_server_found_hung_go_to_another_at_once(mute):
     """A request waiting on a server that another call found hung is cut short and sent to the other server, as
     from a dead one, instead of waiting out request_timeout (30 s here) for an answer that is not coming."""
-    from mega_async.types import ModelRequest
+    from mega_async.api.types import ModelRequest
 
     stub = Stub()
     client = SGLangClient([mute, stub.address], request_timeout=30, retry_backoff=0.01)

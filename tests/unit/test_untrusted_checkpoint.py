@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.checkpoint import CheckpointError, check_dist_checkpoint
-from mega_async.convert import HF_SUBDIR, META, main as convert
-from mega_async.safe_load import dist_load
+from mega_async.checkpoint.format import CheckpointError, check_dist_checkpoint
+from mega_async.checkpoint.convert import HF_SUBDIR, META, main as convert
+from mega_async.utils.safe_load import dist_load
 from tests.unit.checkpoint_builder import EXTRA, WEIGHT, one_rank_group, save_model_dir, sharded_state_dict
 
 MARK = Path("/tmp/mega_async_pwned_by_checkpoint")
@@ -179,7 +179,7 @@ def test_a_pickled_weights_file_is_never_loaded_by_the_server(tmp_path):
 
     import torch
 
-    from mega_async.inference.server.weights import load_pretrained
+    from mega_async.server.weights import load_pretrained
 
     d = tmp_path / "model"
     d.mkdir()

@@ -3,10 +3,10 @@ InferenceEngine protocol the rollout layer and the sync call (no duck typing in 
 import pytest
 
 from mega_async.inference.client import SGLangClient
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.staleness import StalenessManager
 from mega_async.trainer.sync import run_version
-from mega_async.types import InferenceEngine, VersionView, WeightVersion
+from mega_async.api.types import InferenceEngine, VersionView, WeightVersion
 
 
 def test_readers_see_the_owners_version_and_cannot_set_it():

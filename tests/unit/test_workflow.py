@@ -4,10 +4,10 @@ import time
 import pytest
 import torch
 
-from mega_async.inference.simulated import SimulatedEngine
+from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.reward import RewardRunner
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
-from mega_async.types import ModelRequest, ModelResponse, concat_padded
+from mega_async.api.types import ModelRequest, ModelResponse, concat_padded
 
 
 class FixedEngine:

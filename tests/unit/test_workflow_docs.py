@@ -6,9 +6,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mega_async.config import load_config
+from mega_async.api.config import load_config
 from mega_async.rollout.workflow import make_workflow
-from mega_async.types import ModelRequest, ModelResponse
+from mega_async.api.types import ModelRequest, ModelResponse
 
 ROOT = Path(__file__).parents[2]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mega_async.allocation import ParallelStrategy
-from mega_async.model_cards import ParamCount, count_params  # noqa: F401 - counted where model cards are checked
+from mega_async.api.allocation import ParallelStrategy
+from mega_async.bridge.model_cards import ParamCount, count_params  # noqa: F401 - counted where model cards are checked
 
 GIB = 2**30
 SERVER_WEIGHT_FRACTION = 0.7  # of a GPU for a server's weights; the rest is KV cache and activations

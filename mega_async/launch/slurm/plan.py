@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from mega_async.allocation import Allocation, AllocationError, validate_for_model
+from mega_async.api.allocation import Allocation, AllocationError, validate_for_model
 from mega_async.launch.slurm import fit
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.config import RunConfig
+from mega_async.api.config import RunConfig
 from mega_async.inference.servers import ServerSpec, server_command
 from mega_async.launch.slurm.plan import JobPlan
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.allocation import AllocationError
-from mega_async.config import ConfigError, RunConfig, TrainerConfig, load_config
+from mega_async.api.allocation import AllocationError
+from mega_async.api.config import ConfigError, RunConfig, TrainerConfig, load_config
 from mega_async.launch.slurm.plan import JobPlan, LaunchError, plan_job
 from mega_async.launch.slurm.render import render_job
 
@@ -100,10 +100,10 @@ def _check_weight_format(cfg: RunConfig, hf: object) -> None:
 
 def submit(cfg: RunConfig, script: str, workdir: Path) -> tuple[str, Path]:
     """Write `<run_dir>/slurm/job.sbatch` and sbatch it; returns (job id, script path)."""
-    from mega_async.model_cards import ensure_weights, has_weights
+    from mega_async.bridge.model_cards import ensure_weights, has_weights
 
-    from mega_async.checkpoint import resume_point
-    from mega_async.diskspace import replaced
+    from mega_async.checkpoint.format import resume_point
+    from mega_async.utils.diskspace import replaced
     from mega_async.run.lock import refuse_if_in_use
 
     run_dir = (workdir / cfg.run_dir).resolve()
@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         what = f"unknown scheduler {argv[0]!r}" if argv else "name the scheduler"
         print(f"mega-async launch: {what}; the one there is: slurm (mega-async launch slurm -h)", file=sys.stderr)
         return 2
-    from mega_async.checkpoint import CheckpointError
+    from mega_async.checkpoint.format import CheckpointError
     from mega_async.run.lock import RunDirLockError
 
     args = parser().parse_args(argv[1:])

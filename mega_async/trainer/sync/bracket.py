@@ -25,11 +25,11 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from mega_async.events import NullEventLog
+from mega_async.utils.events import NullEventLog
 from mega_async.trainer.sync.common import (INTERRUPT_MODES, SLACK_S, HttpLoop, RolloutSide, SyncError, agree,
                                              from_rank0, rank)
 from mega_async.trainer.sync.verify import Verification
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
 

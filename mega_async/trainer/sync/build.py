@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mega_async.config import api_key
+from mega_async.api.config import api_key
 from mega_async.trainer.sync.bracket import WeightSync
 from mega_async.trainer.sync.common import RolloutSide, from_rank0
 from mega_async.trainer.sync.disk import DiskWeightSync
 from mega_async.trainer.sync.distributed import DistributedWeightSync
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 
 def run_version(checkpoint_version: Optional[int] = None) -> WeightVersion:

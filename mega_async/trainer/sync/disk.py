@@ -13,7 +13,7 @@ import torch
 
 from mega_async.trainer.sync.bracket import WeightSync
 from mega_async.trainer.sync.common import SLACK_S, RolloutSide, fp8_block_of, rank
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
 

@@ -22,7 +22,7 @@ from mega_async.trainer.sync.bracket import WeightSync
 from mega_async.trainer.sync.common import (SLACK_S, PhaseTimeout, RolloutSide, SyncError, agree, fp8_block_of,
                                              from_rank0, future_result, rank)
 from mega_async.trainer.sync.verify import aligned_order
-from mega_async.types import WeightVersion
+from mega_async.api.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
 
@@ -294,7 +294,7 @@ class DistributedWeightSync(WeightSync):
                 self._settle_due()
 
     def _init_group(self, address: str, addresses: Optional[list[str]] = None) -> None:
-        from mega_async.comm import free_port, init_custom_process_group
+        from mega_async.utils.comm import free_port, init_custom_process_group
 
         port = free_port()
         self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
@@ -577,7 +577,7 @@ class DistributedWeightSync(WeightSync):
 
     def _abort(self) -> None:
         if self.pg is not None:  # closing our end makes the servers' pending receives fail at once
-            from mega_async.comm import destroy_custom_process_group
+            from mega_async.utils.comm import destroy_custom_process_group
 
             with contextlib.suppress(Exception):
                 if self.pg is not NO_DATA_PLANE:

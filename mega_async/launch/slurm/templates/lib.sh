@@ -19,7 +19,7 @@ ma_node_addr() {
 
 ma_free_port() {  # a free TCP port on node $1 (asked on that node)
   srun --overlap --nodes=1 --ntasks=1 --nodelist="$1" "$PYTHON" -c \
-    'from mega_async.comm import free_port; print(free_port("0.0.0.0"))'
+    'from mega_async.utils.comm import free_port; print(free_port("0.0.0.0"))'
 }
 
 # one live run per run directory (mega_async/run/lock.py): the job holds an flock on $RUN_DIR/run.lock for its

@@ -2,9 +2,9 @@
 # One node of inference server $MA_INDEX, or the router (MA_NAME=router) (an srun task): picks a free port,
 # fills __HOST__, __PORT__, __NODE_RANK__, __DIST_INIT__ and __API_KEY__ (from $MA_API_KEY_ENV) into the
 # command and runs it. Node rank 0 publishes host:port in $RUN_DIR/logs/addresses/$MA_NAME only once the
-# process it started (or a child of it) listens on that port (mega_async.comm.listens), so the job's wait for
+# process it started (or a child of it) listens on that port (mega_async.utils.comm.listens), so the job's wait for
 # /health never meets another process that took the port first. A server that ends before that and whose
-# output says its port was taken (mega_async.comm.lost_the_port) is started again on another port, at most
+# output says its port was taken (mega_async.utils.comm.lost_the_port) is started again on another port, at most
 # $MA_PORT_TRIES times in all; once published, its end is the step's end, as before. A server on several
 # nodes (__DIST_INIT__) is not retried: its node ranks would have to agree on the new port.
 set -euo pipefail
@@ -23,7 +23,7 @@ trap 'stopping=1; [ -z "$pid" ] || kill -TERM "$pid" 2>/dev/null || true' TERM I
 
 published() {  # node rank 0: the address, once the server's own process listens on the port
   [ "$rank" = 0 ] || return 0
-  "$PYTHON" -c 'import sys; from mega_async.comm import listens
+  "$PYTHON" -c 'import sys; from mega_async.utils.comm import listens
 sys.exit(0 if listens(int(sys.argv[1]), int(sys.argv[2])) in (True, None) else 1)' "$port" "$pid" || return 1
   echo "$host:$port" >"$RUN_DIR/logs/addresses/$name.tmp"
   mv "$RUN_DIR/logs/addresses/$name.tmp" "$RUN_DIR/logs/addresses/$name"
@@ -32,7 +32,7 @@ sys.exit(0 if listens(int(sys.argv[1]), int(sys.argv[2])) in (True, None) else 1
 
 for ((try = 1; ; try++)); do
   ((stopping == 0)) || exit 143
-  port=$("$PYTHON" -c 'from mega_async.comm import free_port; print(free_port("0.0.0.0"))')
+  port=$("$PYTHON" -c 'from mega_async.utils.comm import free_port; print(free_port("0.0.0.0"))')
   args=()
   for a in "$@"; do
     a=${a//__HOST__/$host}; a=${a//__PORT__/$port}; a=${a//__NODE_RANK__/$rank}; a=${a//__DIST_INIT__/${MA_DIST_INIT:-}}
@@ -57,7 +57,7 @@ for ((try = 1; ; try++)); do
   wait "$pid" || rc=$?
   for ((i = 0; i < 50; i++)); do kill -0 "$copier" 2>/dev/null || break; sleep 0.1; done  # its tail, written at EOF
   ((stopping == 0)) || exit "$rc"
-  if ((up == 0 && rc != 0 && try < tries)) && "$PYTHON" -c 'import sys; from mega_async.comm import lost_the_port
+  if ((up == 0 && rc != 0 && try < tries)) && "$PYTHON" -c 'import sys; from mega_async.utils.comm import lost_the_port
 sys.exit(0 if lost_the_port(open(sys.argv[1], errors="replace").read()) else 1)' "$tail_file"; then
     echo "$label: port $port was taken before it bound it; starting it again on another port"
     : >"$tail_file"
