@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from mega_async.api.config import ConfigError, load_config
+from mega_async.api.config import ConfigError
+
+from mega_async.api.config_load import load_config
 
 
 def _setup_logging(level: str) -> None:
@@ -222,7 +224,8 @@ def _train(args: argparse.Namespace, cfg: Any, world: int, lock: Any) -> int:
 
 def _cmd_sft(args: argparse.Namespace) -> int:
     from mega_async.run.console import setup_logging
-    from mega_async.run.sft import load_sft_config, run_sft
+    from mega_async.api.sft_config import load_sft_config
+    from mega_async.run.sft import run_sft
 
     cfg = load_sft_config(args.config, args.overrides)
     if (lock := _hold_run_dir("sft", cfg.run_dir)) is None:
@@ -257,7 +260,7 @@ class _Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         if self._schema is not None and self.epilog is None:
-            from mega_async.api.config import describe_config
+            from mega_async.api.config_load import describe_config
 
             self.epilog = describe_config(self._schema())
         return super().format_help()
@@ -270,7 +273,7 @@ def _run_schema() -> type:
 
 
 def _sft_schema() -> type:
-    from mega_async.run.sft import SFTConfig  # imports torch: only for `mega-async sft --help`
+    from mega_async.api.sft_config import SFTConfig
 
     return SFTConfig
 

@@ -194,7 +194,7 @@ def pick(variants: list[dict], patterns: Optional[str]) -> list[dict]:
 
 def base_lr(config: str) -> float:
     """trainer.lr of the run config (the -lr4 variants run at a quarter of it)."""
-    from mega_async.api.config import load_config
+    from mega_async.api.config_load import load_config
 
     return float(load_config(config).trainer.lr)
 

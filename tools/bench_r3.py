@@ -18,7 +18,8 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from mega_async.rollout.workflow import trajectory_from_response
-from mega_async.api.types import ModelRequest, concat_padded
+from mega_async.algo.batch import concat_padded
+from mega_async.api.types import ModelRequest
 
 
 async def rollouts(address: str, n: int, max_new: int, vocab: int, seed: int) -> list[dict]:

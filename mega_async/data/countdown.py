@@ -1,4 +1,4 @@
-"""Countdown: a long-tailed task for asynchronous RL (issue 35). Every step of the work is written out, so the
+"""Countdown: a long-tailed task for asynchronous RL. Every step of the work is written out, so the
 answer's length spans from a few tokens to a few hundred and a synchronous step waits for its longest sample.
 
 A problem is `a>b:` with a > b, both zero-padded to `digits` digits; the answer counts down from a to b, every

@@ -26,7 +26,8 @@ from aiohttp import web
 from mega_async.reward import RewardRunner
 from mega_async.rollout import chat
 from mega_async.rollout.workflow import RolloutWorkflow, Trajectory
-from mega_async.api.types import ModelRequest, ModelResponse, concat_padded
+from mega_async.algo.batch import concat_padded
+from mega_async.api.types import ModelRequest, ModelResponse
 
 logger = logging.getLogger("mega_async.rollout.agent")
 

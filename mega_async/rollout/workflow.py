@@ -15,7 +15,8 @@ from typing import Any, Awaitable, Callable, Optional
 import torch
 
 from mega_async.reward import RewardRunner
-from mega_async.api.types import ModelRequest, ModelResponse, concat_padded
+from mega_async.algo.batch import concat_padded
+from mega_async.api.types import ModelRequest, ModelResponse
 
 logger = logging.getLogger("mega_async.rollout.workflow")
 

@@ -11,7 +11,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from mega_async.api.config import RunConfig, save_config
+from mega_async.api.config import RunConfig
+
+from mega_async.api.config_load import save_config
+from mega_async.utils.comm import any_rank
 
 logger = logging.getLogger("mega_async.run.loop")
 
@@ -39,7 +42,7 @@ class Checkpointer:
         """The checkpoint to continue from (`trainer.resume`), on every rank. Rank 0 checks it whole first (unless
         the caller did: `checked`), then resets the run directory to it and saves the config."""
         from mega_async.checkpoint.format import checked_resume_point, reset_run_dir, resume_point
-        from mega_async.trainer.sync import from_rank0
+        from mega_async.utils.comm import from_rank0
 
         resume = None
         if rank0:
@@ -77,7 +80,7 @@ class Checkpointer:
     def after_step(self, step: int) -> bool:
         """Save when due (cadence, last step, or any rank asked to stop); True: stop now (pre-empted)."""
         t = self.cfg.trainer
-        stop = _any_rank(bool(self.stop_requested and self.stop_requested()), self.group)
+        stop = any_rank(bool(self.stop_requested and self.stop_requested()), self.group)
         last = step == t.total_steps - 1
         if t.hf_snapshot_interval and ((step + 1) % t.hf_snapshot_interval == 0 or last):
             self._snapshot(step)
@@ -118,13 +121,3 @@ class Checkpointer:
                                extra={**sizes, **run_record(self.cfg)})
         logger.info("checkpoint %s (%.1fs)", path, time.monotonic() - t0)
         return path
-
-
-def _any_rank(flag: bool, group: Any) -> bool:
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([int(flag)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())

@@ -19,7 +19,7 @@ from mega_async.run.evaluation import Evaluator
 from mega_async.run.metrics import Metrics, RewardTracker, prefixed
 from mega_async.run.tasks import reward_for, rollout_parts
 from mega_async.trainer.dispatch import StepBatch, timed_share
-from mega_async.trainer.sync.common import from_rank0
+from mega_async.utils.comm import from_rank0
 from mega_async.api.types import VersionView
 
 logger = logging.getLogger("mega_async.run.loop")  # the step lines are the driver's (the console's progress bar)

@@ -1,5 +1,5 @@
-"""Connections of the embedded server, bounded against slow and idle clients (issue 33: 1,100 connections that sent
-half a request took every file descriptor, and /health stopped answering).
+"""Connections of the embedded server, bounded against slow and idle clients: connections that send half a request
+must never take every file descriptor, so /health keeps answering whatever clients do.
 
 - A request's header must arrive within `header_timeout` of the connection opening, or of its first byte on a
   kept-alive connection; its body within `body_timeout` of the handler starting to read it (after the API key).

@@ -34,13 +34,13 @@ def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
                 rollout_wait_s: float = 0.0) -> StepBatch:
     """Every rank calls it; rank 0 passes the step's groups (`algorithm`: the config's algorithm section), the
     others None. `group`: the gloo control group the batch travels on."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
     from mega_async.algo.advantages import batch_with_advantages
     from mega_async.algo.packing import redistribute_groups
     from mega_async.rollout.workflow import GEN_TIME_KEY
-    from mega_async.api.types import concat_padded
+    from mega_async.algo.batch import concat_padded
+    from mega_async.utils.comm import from_rank0
 
     payload, stats = None, None
     if groups is not None:
@@ -52,11 +52,7 @@ def share_batch(groups: Optional[list[dict]], algorithm: Any, group: Any = None,
         tokens = [int(g["attention_mask"].sum()) for g in groups]
         payload = (groups, redistribute_groups(tokens, mpu.get_data_parallel_world_size()), float(rewards.mean()),
                    rollout_wait_s)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [payload]
-        dist.broadcast_object_list(box, src=0, group=group)
-        payload = box[0]
-    groups, shares, reward, wait = payload
+    groups, shares, reward, wait = from_rank0(payload, group)
     return StepBatch(concat_padded([groups[i] for i in shares[mpu.get_data_parallel_rank()]]), reward, wait,
                      stats=stats)
 

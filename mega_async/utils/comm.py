@@ -1,5 +1,6 @@
 """Process-level communication helpers shared by the trainer and the embedded server (no trainer or
-server imports here): free TCP ports and the weight-update process group.
+server imports here): free TCP ports, the weight-update process group, and the trainer ranks' agreements
+(`agree`, `from_rank0`, `any_rank`, `every_rank`: rank 0 tells everyone, in one place).
 
 `init_custom_process_group` builds a torch process group exactly as SGLang, AReaL, slime and OpenRLHF
 do (PyTorch's `init_process_group` without touching the default group): TCP rendezvous at
@@ -218,3 +219,63 @@ def destroy_custom_process_group(pg: Any) -> None:
 
     if pg is not None:
         dist.destroy_process_group(pg)
+
+
+# ---- rank 0 tells everyone: the one home of the trainer ranks' small agreements (over a gloo control group) -----
+def rank() -> int:
+    """This process's global rank (0 without torch.distributed)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def one_line(error: Optional[str]) -> Optional[str]:
+    return " ".join(error.split()) if error else error
+
+
+def agree(error: Optional[str], group: Any = None) -> list[str]:
+    """Every rank's error (None = fine, each flattened to one line), gathered on every rank."""
+    error = one_line(error)
+    if _world() == 1:
+        return [error] if error else []
+    return [f"rank {r}: {e}" for r, e in enumerate(every_rank(error, group)) if e]
+
+
+def every_rank(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if _world() == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj, group=group)
+    return every
+
+
+def from_rank0(obj: Any, group: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (over `group`, e.g. the gloo control group)."""
+    if _world() == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def any_rank(flag: bool, group: Any = None) -> bool:
+    """True on every rank when `flag` is true on any."""
+    if _world() == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())

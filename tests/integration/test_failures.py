@@ -16,6 +16,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.rollout.executor import RolloutError, WorkflowExecutor
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
+from tests.commands import train_command
 
 ITEMS = [{"input_ids": [1 + i % 50, 2, 3], "answer": i} for i in range(500)]
 
@@ -241,15 +242,13 @@ def test_driver_stops_when_its_only_server_dies(tmp_path):
     with one line naming it."""
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     import psutil
 
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(root / "configs" / "tiny_cpu.yaml"),
-           f"logging.root_dir={tmp_path}", "trainer.total_steps=50", "inference.unhealthy_timeout=5",
-           "logging.tensorboard=false", "inference.max_server_restarts=0"]  # given up on at once
+    cmd = train_command("tiny_cpu", tmp_path, "trainer.total_steps=50", "inference.unhealthy_timeout=5",
+                        "inference.max_server_restarts=0")  # given up on at once
     p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(root)})
     metrics = tmp_path / "tiny_cpu" / "run0" / "metrics.jsonl"
@@ -279,17 +278,14 @@ def test_a_killed_server_is_restarted_and_serves_the_current_version(tmp_path, w
     import json
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     import psutil
 
     root = Path(__file__).resolve().parents[2]
     steps = 8
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(root / "configs" / "tiny_cpu.yaml"),
-           f"logging.root_dir={tmp_path}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
-           "parallel.allocation=sglang:d2+megatron:d1", f"trainer.weight_sync={weight_sync}",
-           "trainer.verify_sync=true"]
+    cmd = train_command("tiny_cpu", tmp_path, f"trainer.total_steps={steps}", "parallel.allocation=sglang:d2+megatron:d1",
+                        f"trainer.weight_sync={weight_sync}", "trainer.verify_sync=true")
     p = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": str(root)})
     run = tmp_path / "tiny_cpu" / "run0"

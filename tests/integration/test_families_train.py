@@ -9,7 +9,6 @@ minutes a run on 2 cores (the one-rank run: 8 steps)."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM, init_random_weights
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
@@ -34,9 +34,8 @@ RUNS = ALL_RUNS if os.environ.get("MEGA_ASYNC_ALL_FAMILY_RUNS") == "1" else [ALL
 
 def train(tmp_path, config, card, allocation, *overrides):
     model = init_random_weights(card, tmp_path / "model", seed=0)
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / f"{config}.yaml"),
-           f"model.path={model}", f"logging.root_dir={tmp_path / 'runs'}", f"parallel.allocation={allocation}",
-           "logging.tensorboard=false", "trainer.sync_timeout=120", *overrides]
+    cmd = train_command(config, tmp_path / "runs", f"model.path={model}", f"parallel.allocation={allocation}",
+                        "trainer.sync_timeout=120", *overrides)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-6000:]
     run = tmp_path / "runs" / config / "run0"

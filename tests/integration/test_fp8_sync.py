@@ -15,6 +15,7 @@ import torch
 
 from mega_async.bridge import fp8
 from mega_async.bridge.model_cards import TINY_DEEPSEEK, init_random_weights
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("fp8_sync_worker.py")
@@ -78,10 +79,9 @@ def test_fp8_checkpoint_converts_to_mcore_and_back_dequantized(tmp_path):
 
 
 def _train(tmp_path, name, model, *overrides):
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_deepseek_cpu.yaml"),
-           f"model.path={model}", f"logging.root_dir={tmp_path / 'runs'}", f"experiment_name={name}",
-           "parallel.allocation=sglang:d1+megatron:d1", "trainer.total_steps=4", "rollout.max_staleness=0",
-           "logging.tensorboard=false", "trainer.sync_weight_format=fp8_block", *overrides]
+    cmd = train_command("tiny_deepseek_cpu", tmp_path / "runs", f"model.path={model}", f"experiment_name={name}",
+                        "parallel.allocation=sglang:d1+megatron:d1", "trainer.total_steps=4", "rollout.max_staleness=0",
+                        "trainer.sync_weight_format=fp8_block", *overrides)
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-6000:]
     run = tmp_path / "runs" / name / "run0"

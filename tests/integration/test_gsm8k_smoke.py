@@ -4,12 +4,12 @@ as eval/* metrics. The tiny model does not solve GSM8K: this checks the pipeline
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_gsm8k_pipeline_on_the_cpu(tmp_path):
     model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=4)
-    r = subprocess.run([sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "gsm8k_tiny_cpu.yaml"),
-                        f"model.path={model}", f"logging.root_dir={tmp_path / 'runs'}"],
+    r = subprocess.run(train_command("gsm8k_tiny_cpu", tmp_path / "runs", f"model.path={model}", tensorboard=True),
                        capture_output=True, text=True, timeout=900, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-4000:]
     run = tmp_path / "runs" / "gsm8k_tiny_cpu" / "run0"

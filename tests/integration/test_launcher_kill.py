@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 from mega_async.run.lock import RunDirLock
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -29,10 +29,9 @@ def model(tmp_path_factory):
 
 
 def train_cmd(model: Path, tmp: Path, allocation: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"),
-            f"model.path={model}", f"logging.root_dir={tmp / 'runs'}", f"parallel.allocation={allocation}",
-            "trainer.total_steps=200", "trainer.save_interval=1", "rollout.max_new_tokens=16",
-            "trainer.sync_timeout=60", "logging.tensorboard=false", *extra]
+    return train_command("tiny_cpu", tmp / "runs", f"model.path={model}", f"parallel.allocation={allocation}",
+                         "trainer.total_steps=200", "trainer.save_interval=1", "rollout.max_new_tokens=16",
+                         "trainer.sync_timeout=60", *extra)
 
 
 def start(model: Path, tmp: Path, allocation: str) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:

@@ -4,13 +4,13 @@ import collections
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from mega_async.utils.events import read_events, spans
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
+from tests.commands import train_command
 
 ROOT = Path(__file__).parents[2]
 pytestmark = pytest.mark.slow  # a server, two trainer ranks, three steps
@@ -18,10 +18,9 @@ pytestmark = pytest.mark.slow  # a server, two trainer ranks, three steps
 
 def test_two_rank_multi_turn_run_records_its_timeline(tmp_path):
     model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=0)
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           f"model.path={model}", f"logging.root_dir={tmp_path / 'runs'}", "parallel.allocation=sglang:d1+megatron:d2e2",
-           "trainer.total_steps=3", "rollout.max_new_tokens=8", "rollout.workflow=multi_turn", "rollout.max_turns=2",
-           "rollout.consumer_batch_size=4", "trainer.sync_timeout=60", "logging.tensorboard=false"]
+    cmd = train_command("tiny_cpu", tmp_path / "runs", f"model.path={model}", "parallel.allocation=sglang:d1+megatron:d2e2",
+                        "trainer.total_steps=3", "rollout.max_new_tokens=8", "rollout.workflow=multi_turn",
+                        "rollout.max_turns=2", "rollout.consumer_batch_size=4", "trainer.sync_timeout=60")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stderr[-6000:]
     run = tmp_path / "runs" / "tiny_cpu" / "run0"

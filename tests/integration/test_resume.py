@@ -9,7 +9,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from mega_async.checkpoint.format import latest_checkpoint
 from mega_async.rollout.dataloader import EpochLoader
 from mega_async.rollout.ledger import read_ledger
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, B, ETA = 8, 4, 1
@@ -31,8 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def start(root: Path, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           f"logging.root_dir={root}", *OVERRIDES]
+    cmd = train_command("tiny_cpu", root, *OVERRIDES, tensorboard=True)
     return subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 

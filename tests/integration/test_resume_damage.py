@@ -10,7 +10,6 @@ import pickle
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from mega_async.checkpoint.format import latest_checkpoint
 from mega_async.checkpoint.check import write_manifest
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ["trainer.save_interval=1", "rollout.consumer_batch_size=4", "rollout.max_new_tokens=16",
@@ -28,8 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def train(root: Path, model: Path, *extra: str, trial="run0", resume=False) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"),
-           f"logging.root_dir={root}", f"model.path={model}", f"trial_name={trial}", *BASE, *extra]
+    cmd = train_command("tiny_cpu", root, f"model.path={model}", f"trial_name={trial}", *BASE, *extra,
+                        tensorboard=True)
     return subprocess.run(cmd + (["--resume"] if resume else []), cwd=ROOT, capture_output=True, text=True,
                           timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
 

@@ -12,7 +12,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 from pathlib import Path
@@ -20,12 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mega_async.api.config import load_config
+from mega_async.api.config_load import load_config
 from mega_async.inference.sglang import cpu as sglang_cpu
 from mega_async.inference.router import RouterLauncher
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.bridge.model_cards import ensure_weights
 from mega_async.api.types import ModelRequest, WeightVersion
+from tests.commands import train_command
 from .conftest import REAL_ENGINE, get, post
 
 pytestmark = REAL_ENGINE
@@ -168,11 +168,10 @@ def test_a_run_generates_through_the_router_with_control_and_weights_straight_to
     for w in workers:  # the card's weights (the fan-out test loaded them) under the run's first version, 0
         assert post(w, "/update_weight_version", {"new_version": "0"})[0] == 200
     config = ROOT / "configs" / "tiny_cpu_sglang.yaml"
-    out = subprocess.run([sys.executable, "-m", "mega_async.cli", "train", "-c", str(config),
-                          f"logging.root_dir={tmp_path}", f"trainer.total_steps={steps}", "logging.tensorboard=false",
-                          "parallel.allocation=sglang:d2+megatron:d1",
-                          f"inference.addresses=[{','.join(workers)}]", f"inference.router_address={router}",
-                          "algorithm.routing_replay=true", "rollout.interrupt=retract"],
+    out = subprocess.run(train_command(config, tmp_path, f"trainer.total_steps={steps}",
+                                       "parallel.allocation=sglang:d2+megatron:d1",
+                                       f"inference.addresses=[{','.join(workers)}]", f"inference.router_address={router}",
+                                       "algorithm.routing_replay=true", "rollout.interrupt=retract"),
                          cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run = next(tmp_path.glob("*/*/metrics.jsonl")).parent

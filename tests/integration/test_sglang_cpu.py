@@ -9,7 +9,6 @@ more for the kill test, which the run launches itself (only a server the run lau
 import json
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.bridge.model_cards import ensure_weights
+from tests.commands import train_command
 from .conftest import REAL_ENGINE, get, post
 
 pytestmark = REAL_ENGINE
@@ -47,8 +47,7 @@ def at_card_weights(address: str) -> None:
 
 
 def train(tmp_path: Path, *overrides: str, timeout: float = 900) -> Path:
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(CONFIG), f"logging.root_dir={tmp_path}",
-           "logging.tensorboard=false", *overrides]
+    cmd = train_command(CONFIG, tmp_path, *overrides)
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     print(f"mega-async train {' '.join(overrides)}: {time.monotonic() - t0:.1f} s")
@@ -150,9 +149,8 @@ def test_a_killed_real_server_is_restarted_resynced_and_the_run_finishes(tmp_pat
     import psutil
 
     steps = 6
-    cmd = [sys.executable, "-m", "mega_async.cli", "train", "-c", str(CONFIG), f"logging.root_dir={tmp_path}",
-           "logging.tensorboard=false", f"trainer.total_steps={steps}", "trainer.verify_sync=true",
-           "trainer.verify_sync_method=probe"]
+    cmd = train_command(CONFIG, tmp_path, f"trainer.total_steps={steps}", "trainer.verify_sync=true",
+                        "trainer.verify_sync_method=probe")
     t0 = time.monotonic()
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run = tmp_path / "tiny_cpu_sglang" / "run0"

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.bridge.model_cards import TINY_MOE, derive_card, init_random_weights
+from tests.commands import train_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,10 +28,9 @@ def model(tmp_path_factory):
 
 
 def train_cmd(model: Path, tmp: Path, allocation: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "mega_async.cli", "train", "-c", str(ROOT / "configs" / "tiny_cpu.yaml"),
-            f"model.path={model}", f"logging.root_dir={tmp / 'runs'}", f"parallel.allocation={allocation}",
-            "trainer.total_steps=3", "rollout.max_new_tokens=16", "trainer.sync_timeout=60",
-            "trainer.sync_bucket_bytes=262144", "logging.tensorboard=false", *extra]
+    return train_command("tiny_cpu", tmp / "runs", f"model.path={model}", f"parallel.allocation={allocation}",
+                         "trainer.total_steps=3", "rollout.max_new_tokens=16", "trainer.sync_timeout=60",
+                         "trainer.sync_bucket_bytes=262144", *extra)
 
 
 def leftovers(tmp: Path) -> list[str]:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from mega_async.api.config import load_config
+from mega_async.api.config_load import load_config
 from mega_async.run.loop import run_training
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 

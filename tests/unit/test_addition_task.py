@@ -9,7 +9,8 @@ from mega_async.algo.loss import sft_loss
 from mega_async.api.config import ConfigError
 from mega_async.data import addition as task
 from mega_async.reward.addition import addition_reward
-from mega_async.run.sft import load_sft_config, sft_batch
+from mega_async.api.sft_config import load_sft_config
+from mega_async.run.sft import sft_batch
 
 CARD = "models/tiny-addition"
 

@@ -27,7 +27,7 @@ class Engine(SimulatedEngine):
 
 
 class Sync(WeightSync):
-    expects_new_weights = False
+    sends_new_weights = False
 
     def _update(self, target):
         return None

@@ -15,7 +15,7 @@ import torch
 
 from mega_async.checkpoint.format import CheckpointError, checked_resume_point, latest_checkpoint
 from mega_async.checkpoint.check import MANIFEST, validate_checkpoint, verify_manifest, write_manifest
-from mega_async.api.config import load_config
+from mega_async.api.config_load import load_config
 from mega_async.utils.safe_load import dist_load
 from tests.unit.checkpoint_builder import (EXTRA, TINY, WEIGHT, one_rank_group, rollout_state, save_model_dir,
                                            sharded_state_dict, write_run_checkpoint)

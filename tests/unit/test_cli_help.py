@@ -59,7 +59,7 @@ def test_train_help_lists_every_section_key_type_and_default(capsys):
 
 
 def test_sft_help_lists_every_setting_of_the_sft_config(capsys):
-    from mega_async.run.sft import SFTConfig
+    from mega_async.api.sft_config import SFTConfig
 
     rc, out, _ = run(["sft", "--help"], capsys)
     assert rc == 0
@@ -112,7 +112,8 @@ def test_unknown_override_on_train_says_did_you_mean(tmp_path, capsys):
 
 
 def test_unknown_key_in_a_file_names_the_file(tmp_path):
-    from mega_async.api.config import ConfigError, load_config
+    from mega_async.api.config import ConfigError
+    from mega_async.api.config_load import load_config
 
     p = tmp_path / "c.yaml"
     p.write_text("rollout:\n  temprature: 0.5\n")

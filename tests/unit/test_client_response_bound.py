@@ -1,4 +1,4 @@
-"""One answer's body is bounded (mega_async.inference.client.MAX_RESPONSE_BYTES): a server, or whatever answers at
+"""One answer's body is bounded (mega_async.inference.client.transport.MAX_RESPONSE_BYTES): a server, or whatever answers at
 its address, that sends a huge body (declared, or streamed without a length) gets a one-line error instead of
 filling the trainer's memory; ordinary answers decode as aiohttp's json()/text() would."""
 import asyncio
@@ -66,7 +66,7 @@ def test_retry_after_is_read_as_rfc_9110_says_and_bounded():
     import email.utils
     import time
 
-    from mega_async.inference.client import BUSY_WAIT_MAX_S, _retry_after
+    from mega_async.inference.client.transport import BUSY_WAIT_MAX_S, _retry_after
 
     assert _retry_after("3") == 3.0 and _retry_after(" 0 ") == 0.0
     assert _retry_after("99999999999999999999") == 10 ** 6 and BUSY_WAIT_MAX_S == 30.0

@@ -4,7 +4,8 @@ import pytest
 import yaml
 
 from mega_async.cli import main
-from mega_async.api.config import ConfigError, RunConfig, load_config, save_config
+from mega_async.api.config import ConfigError, RunConfig
+from mega_async.api.config_load import load_config, save_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -80,7 +81,7 @@ def test_save_resolved_config(tmp_path):
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     if "_sft" in path.stem:  # `mega-async sft` configs have their own schema (mega_async/run/sft.py)
-        from mega_async.run.sft import load_sft_config
+        from mega_async.api.sft_config import load_sft_config
 
         load_sft_config(str(path))
     else:
@@ -138,7 +139,8 @@ def test_servers_come_from_the_allocation_alone():
 
 
 def test_api_key_is_never_taken_from_the_config(tmp_path, monkeypatch):
-    from mega_async.api.config import api_key, load_config, save_config
+    from mega_async.api.config import api_key
+    from mega_async.api.config_load import load_config, save_config
 
     with pytest.raises(ConfigError, match=r"inference.api_key must not be set: .*config.yaml.*MEGA_ASYNC_API_KEY"):
         load_config(None, ["inference.api_key=s3cret"])

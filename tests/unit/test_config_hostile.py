@@ -10,8 +10,9 @@ from typing import Optional
 import pytest
 
 from mega_async.api import config
-from mega_async.api.config import ConfigError, RunConfig, load_config
-from mega_async.run.sft import SFTConfig, load_sft_config
+from mega_async.api.config import ConfigError, RunConfig
+from mega_async.api.config_load import load_config
+from mega_async.api.sft_config import SFTConfig, load_sft_config
 
 
 def laughs(levels: int = 9, under: str = "inference:\n  extra_args: ") -> str:
@@ -80,7 +81,7 @@ def test_ordinary_anchors_and_merge_keys_still_work(tmp_path):
 
 
 def test_the_bound_is_on_expanded_values(tmp_path):
-    from mega_async.api.config import MAX_YAML_NODES, read_yaml
+    from mega_async.api.config_load import MAX_YAML_NODES, read_yaml
 
     p = tmp_path / "a.yaml"
     p.write_text(laughs(4, under="seed: 1\n#"))  # 11,111 values once expanded: under the bound

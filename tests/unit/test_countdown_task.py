@@ -6,10 +6,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from mega_async.api.config import ConfigError, load_config
+from mega_async.api.config import ConfigError
+
+from mega_async.api.config_load import load_config
 from mega_async.data import countdown as task
 from mega_async.reward.countdown import countdown_reward
-from mega_async.run.sft import load_sft_config, task_items
+from mega_async.api.sft_config import load_sft_config
+from mega_async.run.sft import task_items
 
 CARD = "models/tiny-addition"
 

@@ -2,7 +2,7 @@
 flat keyword form for tests and tools routes each key to the section that defines it and refuses unknown ones."""
 import pytest
 
-from mega_async.api.config import load_config
+from mega_async.api.config_load import load_config
 from mega_async.trainer.engine import EngineConfig
 
 

@@ -9,7 +9,8 @@ import pytest
 from transformers import AutoConfig
 
 from mega_async.bridge.families import Family, UnsupportedModelError, check_model, family_for
-from mega_async.api.config import ConfigError, load_config
+from mega_async.api.config import ConfigError
+from mega_async.api.config_load import load_config
 from mega_async.bridge.model_cards import TINY_DEEPSEEK, TINY_GLM, TINY_MOE
 
 

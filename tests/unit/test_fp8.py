@@ -150,7 +150,8 @@ def test_the_embedded_server_loads_fp8_dequantized(cards, tmp_path):
      "FP8 weights change by design"),
 ])
 def test_the_config_key(overrides, needle):
-    from mega_async.api.config import ConfigError, load_config
+    from mega_async.api.config import ConfigError
+    from mega_async.api.config_load import load_config
 
     assert load_config(None, ["trainer.sync_weight_format=fp8_block"]).trainer.sync_weight_format == "fp8_block"
     with pytest.raises(ConfigError, match=needle):

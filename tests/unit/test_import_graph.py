@@ -105,3 +105,36 @@ def test_the_driver_does_no_math():
     math = {"cat", "stack", "mean", "sum", "batch_with_advantages", "grpo_advantages", "redistribute_groups",
             "concat_padded", "broadcast_object_list", "all_reduce"}
     assert not called & math, sorted(called & math)
+
+
+def test_the_tree_is_the_layer_diagram():
+    """No module loose at the package root but the entry point: every other module lives in a layer's folder."""
+    loose = sorted(p.name for p in PKG.glob("*.py") if p.name not in ("__init__.py", "cli.py"))
+    assert not loose, f"modules loose at the package root: {loose} (move each into its layer's folder)"
+
+
+def test_the_client_and_the_server_meet_only_over_http():
+    g = graph()
+    crossing = sorted(f"{m} -> {n}" for m, ns in g.items() for n in ns
+                      if (m.startswith("mega_async.inference.client") and n.startswith("mega_async.server"))
+                      or (m.startswith("mega_async.server") and n.startswith("mega_async.inference.client")))
+    assert not crossing, crossing
+
+
+def test_api_imports_nothing_heavy():
+    """api/ is contracts: no torch, no package module above the leaves."""
+    g = graph()
+    bad = sorted(f"{m} -> {n}" for m, ns in g.items() if m.startswith("mega_async.api") for n in ns
+                 if not n.startswith(("mega_async.api", "mega_async.utils")))
+    assert not bad, bad
+    for p in (PKG / "api").glob("*.py"):
+        tree = ast.parse(p.read_text())
+        heavy = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names} | \
+            {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and not n.level}
+        assert not heavy & {"torch", "megatron", "transformers", "numpy"}, (p.name, heavy)
+
+
+def test_no_file_over_800_lines():
+    long = sorted(f"{p.relative_to(ROOT)} ({n})" for p in PKG.rglob("*.py")
+                  if (n := len(p.read_text().splitlines())) > 800)
+    assert not long, f"files over 800 lines: {long}"

@@ -4,7 +4,8 @@ from pathlib import Path
 import pytest
 
 from mega_async.cli import main
-from mega_async.api.config import ConfigError, load_config
+from mega_async.api.config import ConfigError
+from mega_async.api.config_load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")

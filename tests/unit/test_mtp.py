@@ -56,7 +56,9 @@ def test_which_servers_get_the_mtp_layers():
 def test_mtp_settings_for_a_model_without_mtp_layers_are_refused_not_ignored(tmp_path):
     import pytest
 
-    from mega_async.api.config import ConfigError, TrainerConfig, load_config
+    from mega_async.api.config import ConfigError, TrainerConfig
+
+    from mega_async.api.config_load import load_config
     from mega_async.run.tasks import check_inputs
 
     TrainerConfig().check_mtp(0)  # the defaults say nothing

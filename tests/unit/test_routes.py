@@ -8,7 +8,8 @@ import torch
 
 from mega_async.inference.client import ServerError, merge_routed_experts
 from mega_async.rollout.workflow import Trajectory, trajectory_from_response
-from mega_async.api.types import ModelResponse, concat_padded
+from mega_async.algo.batch import concat_padded
+from mega_async.api.types import ModelResponse
 
 
 def enc(rows: np.ndarray) -> str:
@@ -84,7 +85,8 @@ def test_journal_keeps_routes_through_copies_and_checkpoints():
 
 
 def test_routes_need_servers_that_return_them():
-    from mega_async.api.config import ConfigError, load_config
+    from mega_async.api.config import ConfigError
+    from mega_async.api.config_load import load_config
 
     for key in ("algorithm.routing_replay=true", "rollout.return_routed_experts=true"):
         with pytest.raises(ConfigError, match="inference.backend=simulated has none"):

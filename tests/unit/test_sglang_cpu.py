@@ -132,7 +132,7 @@ def test_the_radix_cache_setting_reaches_both_backends():
     assert [flags("embedded", r) for r in (None, True, False)] == [0, 0, 1]
     assert [flags("sglang", r) for r in (None, True, False)] == [1, 0, 1]
     assert flags("sglang", None, ["--disable-radix-cache"]) == flags("embedded", False, ["--disable-radix-cache"]) == 1
-    from mega_async.api.config import load_config
+    from mega_async.api.config_load import load_config
 
     assert load_config(None, ["inference.radix_cache=true"]).inference.radix_cache is True
     assert load_config(None, []).inference.radix_cache is None

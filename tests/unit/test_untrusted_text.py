@@ -109,7 +109,8 @@ def test_malformed_dataset_rows_are_refused_in_one_line(tmp_path):
 
 
 def test_the_run_refuses_them_before_it_starts(tmp_path):
-    from mega_async.api.config import ConfigError, load_config
+    from mega_async.api.config import ConfigError
+    from mega_async.api.config_load import load_config
     from mega_async.run.loop import check_inputs
 
     path = tmp_path / "rows.jsonl"

@@ -7,7 +7,8 @@ import torch
 from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.reward import RewardRunner
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
-from mega_async.api.types import ModelRequest, ModelResponse, concat_padded
+from mega_async.algo.batch import concat_padded
+from mega_async.api.types import ModelRequest, ModelResponse
 
 
 class FixedEngine:

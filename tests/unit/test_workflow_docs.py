@@ -6,7 +6,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mega_async.api.config import load_config
+from mega_async.api.config_load import load_config
 from mega_async.rollout.workflow import make_workflow
 from mega_async.api.types import ModelRequest, ModelResponse
 

@@ -133,7 +133,7 @@ def factory(cfg, tokenizer, reward_fn):
 
 
 def test_make_workflow_reads_rollout_workflow(tok):
-    from mega_async.api.config import load_config
+    from mega_async.api.config_load import load_config
     from mega_async.rollout.workflow import RLVRWorkflow, make_workflow
 
     def r(p, c, **_):
@@ -162,14 +162,15 @@ def test_make_workflow_reads_rollout_workflow(tok):
     (["algorithm.objective=gspo", "parallel.allocation=sglang:d1+megatron:c2"], "context parallelism"),
 ])
 def test_workflow_and_objective_keys_are_validated(overrides, needle):
-    from mega_async.api.config import ConfigError, load_config
+    from mega_async.api.config import ConfigError
+    from mega_async.api.config_load import load_config
 
     with pytest.raises(ConfigError, match=needle):
         load_config(overrides=overrides)
 
 
 def test_code_multiturn_config_wires_the_workflow_reward_and_objective(tok):
-    from mega_async.api.config import load_config
+    from mega_async.api.config_load import load_config
     from mega_async.run.loop import reward_for
     from mega_async.reward.code import code_reward
     from mega_async.rollout.workflow import make_workflow

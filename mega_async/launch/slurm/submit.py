@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mega_async.api.allocation import AllocationError
-from mega_async.api.config import ConfigError, RunConfig, TrainerConfig, load_config
+from mega_async.api.config import ConfigError, RunConfig, TrainerConfig
+from mega_async.api.config_load import load_config
 from mega_async.launch.slurm.plan import JobPlan, LaunchError, plan_job
 from mega_async.launch.slurm.render import render_job
 

@@ -3,7 +3,7 @@
     push(): [disk: export HF dir] -> pause bracket { [distributed: resharder buckets -> POST + broadcast]
             [disk: servers load the dir] -> version += 1 } -> [verify: probe logprobs equal the trainer's]
 
-    common.py       the error, the HTTP loop thread, agreement between ranks, the rollout side
+    common.py       the error, the HTTP loop thread, the rollout side (ranks agree through utils/comm.py)
     bracket.py      WeightSync: the pause bracket and the push protocol (prepare, begin, update, commit, end)
     verify.py       after a push: every server serves the new weights (logprob probe or checksums)
     disk.py         DiskWeightSync (an HF directory per version), ReloadWeightSync (no trainer)
@@ -12,11 +12,10 @@
 """
 from mega_async.trainer.sync.bracket import WeightSync
 from mega_async.trainer.sync.build import make_sync, run_version
-from mega_async.trainer.sync.common import INTERRUPT_MODES, RolloutSide, SyncError, from_rank0, one_line
+from mega_async.trainer.sync.common import INTERRUPT_MODES, RolloutSide, SyncError
 from mega_async.trainer.sync.disk import DiskWeightSync, ReloadWeightSync
 from mega_async.trainer.sync.distributed import DATA_PLANES, DistributedWeightSync
 from mega_async.trainer.sync.verify import aligned_order
 
 __all__ = ["DATA_PLANES", "DiskWeightSync", "DistributedWeightSync", "INTERRUPT_MODES", "ReloadWeightSync",
-           "RolloutSide", "SyncError", "WeightSync", "aligned_order", "from_rank0", "make_sync", "one_line",
-           "run_version"]
+           "RolloutSide", "SyncError", "WeightSync", "aligned_order", "make_sync", "run_version"]

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from mega_async.utils.events import NullEventLog
-from mega_async.trainer.sync.common import (INTERRUPT_MODES, SLACK_S, HttpLoop, RolloutSide, SyncError, agree,
-                                             from_rank0, rank)
+from mega_async.trainer.sync.common import INTERRUPT_MODES, SLACK_S, HttpLoop, RolloutSide, SyncError
+from mega_async.utils.comm import agree, from_rank0, rank
 from mega_async.trainer.sync.verify import Verification
 from mega_async.api.types import WeightVersion
 
@@ -35,7 +35,7 @@ logger = logging.getLogger("mega_async.trainer.sync")
 
 # a push that fails because servers went down during it is done again without them, this many times in all (each
 # retry needs a server lost in the attempt before it; any other failure is raised at once). Each crash after the
-# group is built costs one attempt: 10% of 64 servers crashing within 6 s put five crashes into one push
+# group is built costs one attempt, so the bound allows several crashes within one push
 PUSH_ATTEMPTS = 8
 # interrupt=abort: how long the bracket waits for the requests it aborted to come back before it pauses the servers
 # (what is still out then, the pause aborts again and SGLang's own pause waits for, once a second)
@@ -61,7 +61,7 @@ def no_gc_pass() -> Iterator[None]:
 class WeightSync(Verification):
     """Common part of both modes: the version, the pause bracket, verification. Subclasses `_update`."""
 
-    expects_new_weights = True  # every push sends weights that differ from the last (a training step ran)
+    sends_new_weights = True  # every push sends weights that differ from the last (a training step ran)
     catches_up = False  # the trainer brings a server that came back behind up to date (`catch_up`, between steps)
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
@@ -162,9 +162,8 @@ class WeightSync(Verification):
 
         The servers are the client's `sync_targets`: a server that is down is left out (it is brought up to date
         when it answers again). A sync that fails because one of its servers went down meanwhile is done again
-        without it, up to `PUSH_ATTEMPTS` times in all (at 10% of 64 servers crashing, a server came back and
-        crashed again during the one retry, and one push met five crashes); any other failure is raised
-        at once."""
+        without it, up to `PUSH_ATTEMPTS` times in all (a server may come back and crash again during a retry);
+        any other failure is raised at once."""
         start = self.version.value
         first: Optional[SyncError] = None  # the failure that took the first server out: said with any later one
         for attempt in range(1, PUSH_ATTEMPTS + 1):
@@ -231,15 +230,7 @@ class WeightSync(Verification):
                 errors = agree(enter_error, self.group)
             if not errors:
                 try:
-                    # sessions (SGLang 0.5.21+)
-                    errors = agree(self._guarded(self._begin, target, "begin_weight_update"), self.group)
-                    if not errors:
-                        with self.events.span("sync", phase="update", version=target):
-                            errors = agree(self._guarded(self._update, target, "update"), self.group)
-                    if not errors:
-                        errors = agree(self._guarded(self._commit, target, "commit"), self.group)
-                    if not errors:
-                        errors = agree(self._guarded(self._end, target, "end_weight_update"), self.group)
+                    errors = self._run_phases(target)
                 except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue
                     self._abort()
                     self._rollback()
@@ -262,6 +253,21 @@ class WeightSync(Verification):
         if self._verify_fn is not None:
             self.last["sync/verify_max_abs_diff"] = self.verify()
         return dict(self.last)
+
+    def _run_phases(self, target: int, span_update: bool = True) -> list[str]:
+        """The one phase chain of a push and of a catch-up, every rank, each phase agreed across ranks (the first
+        failure ends it): 1. begin: open the servers' weight-update sessions (SGLang 0.5.21+); 2. update: send the
+        weights; 3. commit: the version on the servers (distributed); 4. end: close the sessions (SGLang finalizes
+        the load). Returns the agreed errors ([] when every phase succeeded everywhere)."""
+        for phase, fn in (("begin_weight_update", self._begin), ("update", self._update), ("commit", self._commit),
+                          ("end_weight_update", self._end)):
+            span = self.events.span("sync", phase="update", version=target) if phase == "update" and span_update \
+                else contextlib.nullcontext()
+            with span:
+                errors = agree(self._guarded(fn, target, phase), self.group)
+            if errors:
+                return errors
+        return []
 
     @staticmethod
     def _guarded(fn: Callable[[int], Optional[str]], target: int, phase: str) -> Optional[str]:

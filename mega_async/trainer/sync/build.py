@@ -6,7 +6,8 @@ from typing import Any, Optional
 
 from mega_async.api.config import api_key
 from mega_async.trainer.sync.bracket import WeightSync
-from mega_async.trainer.sync.common import RolloutSide, from_rank0
+from mega_async.trainer.sync.common import RolloutSide
+from mega_async.utils.comm import from_rank0
 from mega_async.trainer.sync.disk import DiskWeightSync
 from mega_async.trainer.sync.distributed import DistributedWeightSync
 from mega_async.api.types import WeightVersion

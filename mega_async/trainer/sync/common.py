@@ -1,5 +1,5 @@
-"""What every part of the weight sync shares: the error, the HTTP loop thread, the agreement between trainer
-ranks, and the rollout side the bracket pauses.
+"""What every part of the weight sync shares: the error, the HTTP loop thread and the rollout side the bracket
+pauses (the agreement between trainer ranks is mega_async.utils.comm's).
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-import torch.distributed as dist
 
 logger = logging.getLogger("mega_async.trainer.sync")
 
@@ -67,33 +66,6 @@ class HttpLoop:
                 self.run(self.loop.shutdown_asyncgens(), 5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=5)
-
-
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def one_line(error: Optional[str]) -> Optional[str]:
-    return " ".join(error.split()) if error else error
-
-
-def agree(error: Optional[str], group: Any = None) -> list[str]:
-    """Every rank's error (None = fine, each flattened to one line), gathered on every rank."""
-    error = one_line(error)
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [error] if error else []
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, error, group=group)
-    return [f"rank {r}: {e}" for r, e in enumerate(every) if e]
-
-
-def from_rank0(obj: Any, group: Any = None) -> Any:
-    """Rank 0's `obj` on every rank (over `group`, e.g. the gloo control group)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 class RolloutSide:

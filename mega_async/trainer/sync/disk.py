@@ -12,7 +12,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mega_async.trainer.sync.bracket import WeightSync
-from mega_async.trainer.sync.common import SLACK_S, RolloutSide, fp8_block_of, rank
+from mega_async.trainer.sync.common import SLACK_S, RolloutSide, fp8_block_of
+from mega_async.utils.comm import rank
 from mega_async.api.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
@@ -22,7 +23,7 @@ class ReloadWeightSync(WeightSync):
     """No trainer: at each version the servers reload one fixed HF directory (the rollout-only driver); the
     latency simulator loads nothing (it reads the version this sync sets)."""
 
-    expects_new_weights = False
+    sends_new_weights = False  # the servers reload one directory: the same weights every time
 
     def __init__(self, version: WeightVersion, rollout: RolloutSide, path: str, **kw: Any):
         super().__init__([], version, rollout, **kw)

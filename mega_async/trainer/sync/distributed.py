@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from mega_async.inference.client import join_grace
 from mega_async.trainer.sync.bracket import WeightSync
-from mega_async.trainer.sync.common import (SLACK_S, PhaseTimeout, RolloutSide, SyncError, agree, fp8_block_of,
-                                             from_rank0, future_result, rank)
+from mega_async.trainer.sync.common import (SLACK_S, PhaseTimeout, RolloutSide, SyncError, fp8_block_of,
+                                             future_result)
+from mega_async.utils.comm import agree, every_rank, from_rank0, rank
 from mega_async.trainer.sync.verify import aligned_order
 from mega_async.api.types import WeightVersion
 
@@ -119,10 +120,7 @@ class DistributedWeightSync(WeightSync):
         # pipeline stages stream one after another: concurrent groups through the same servers could
         # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
         heads = [(self.resharder.pp_rank, rank())] if self.resharder.is_stage_head else []
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            every: list = [None] * dist.get_world_size()
-            dist.all_gather_object(every, heads, group=self.group)
-            heads = [h for x in every for h in x]
+        heads = [h for x in every_rank(heads, self.group) for h in x]
         self._stage_heads = dict(heads)
         self._first_group()
 
@@ -260,14 +258,9 @@ class DistributedWeightSync(WeightSync):
         """Every rank: group over `due`, session, buckets, commit at version `v`, session closed. Agreed errors."""
         try:
             self._rebuild(due)
-            errors: list[str] = []
+            errors = self._run_phases(v, span_update=False)
         except SyncError as e:
             errors = [str(e)]
-        for phase, fn in (("begin_weight_update", self._begin), ("update", self._update), ("commit", self._commit),
-                          ("end_weight_update", self._end)):
-            if errors:
-                break
-            errors = agree(self._guarded(fn, v, phase), self.group)
         if errors:
             self._abort()
             self._end_quietly()
@@ -279,11 +272,9 @@ class DistributedWeightSync(WeightSync):
         last push (the checksum method's "changed with the sync" does not apply); the other servers' checksums
         are kept for the next push."""
         kept = dict(self._checksums)
-        self.expects_new_weights = False
         try:
-            self.verify()
+            self.verify(expect_change=False)
         finally:
-            del self.expects_new_weights
             self._checksums = {**kept, **self._checksums}
 
     def push(self) -> dict[str, float]:

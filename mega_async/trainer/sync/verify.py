@@ -8,7 +8,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from mega_async.trainer.sync.common import SLACK_S, SyncError, from_rank0, rank
+from mega_async.trainer.sync.common import SLACK_S, SyncError
+from mega_async.utils.comm import from_rank0, rank
 from mega_async.trainer.sync.digest import DigestBuilder, compare, learn_flavor
 
 logger = logging.getLogger("mega_async.trainer.sync")
@@ -17,7 +18,7 @@ logger = logging.getLogger("mega_async.trainer.sync")
 class Verification:
     """The verify half of WeightSync (mixed in): reads the sync's version, rollout side, loop and targets."""
 
-    def verify(self) -> float:
+    def verify(self, expect_change: Optional[bool] = None) -> float:
         """Check that every server serves this sync's weights; raises SyncError naming the server and what differs.
 
         probe: every server's logprobs for a crafted probe set equal the trainer's own (`verify_tol`), the probe
@@ -25,13 +26,16 @@ class Verification:
         never selected named); returns the largest difference. checksum: every server's `/weights_checker`
         per-tensor checksums equal the trainer's digest of its own weights (`digest.py`), the server reports the
         sync's version, and (for what the digest cannot rebuild) its checksum changed with the sync and servers
-        of one layout agree; returns 0. auto: probe when every server is an embedded one and the sync sends the
+        of one layout agree (`expect_change`: the sync sent weights that differ from the last; default: the sync's
+        `sends_new_weights`); returns 0. auto: probe when every server is an embedded one and the sync sends the
         trainer's dtype, else checksum."""
+        expect_change = self.sends_new_weights if expect_change is None else expect_change
         method = self.verify_method
         if method == "auto":
             method = from_rank0(self._auto_method() if self.rollout is not None else None, self.group)
         if method == "checksum":
-            verdict = from_rank0(self._verify_checksums() if self.rollout is not None else None, self.group)
+            verdict = from_rank0(self._verify_checksums(expect_change) if self.rollout is not None else None,
+                                 self.group)
             # the trainer's digest first: it names the server and the tensors, where "unchanged" or "servers
             # disagree" does not say which tensors (or, between two servers, which of them is wrong)
             verdict = self._against_trainer() or verdict
@@ -69,7 +73,7 @@ class Verification:
             return "probe"
         return "probe" if all(r.embedded for r in releases if r is not None) else "checksum"
 
-    def _verify_checksums(self) -> Optional[str]:
+    def _verify_checksums(self, expect_change: bool) -> Optional[str]:
         """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
         client = self.rollout.client
         addresses = self._verified()
@@ -93,7 +97,7 @@ class Verification:
             checksum = reply.get("per_engine_checksum") if isinstance(reply, dict) else None
             if not isinstance(checksum, str):
                 return f"server {address}'s /weights_checker gave no per_engine_checksum: {reply!r}"[:300]
-            if self.expects_new_weights and self._checksums.get(address) == checksum:
+            if expect_change and self._checksums.get(address) == checksum:
                 return (f"server {address}'s weights did not change with the sync to version {self.version.value} "
                         f"(checksum {checksum[:16]})")
             layouts.setdefault(_layout_key(reply), []).append((address, checksum))

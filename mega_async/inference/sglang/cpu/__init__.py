@@ -19,8 +19,8 @@ VENV_ENV = "SGLANG_CPU_VENV"  # the engine's environment; tools/install_sglang_c
 DEFAULT_VENV = "/tmp/mega_async_sglang_cpu"
 INSTALL_HINT = "bash tools/install_sglang_cpu.sh (it builds the engine's environment and prints its python)"
 
-# KV-cache slots of one server unless inference.extra_args sets --max-total-tokens: SGLang sizes it from free RAM (84%
-# of it, issue 36). 32,768 tokens hold 64 sequences of 512 tokens, a few MB for the tiny models
+# KV-cache slots of one server unless inference.extra_args sets --max-total-tokens (SGLang would size it from free RAM,
+# most of it). 32,768 tokens hold 64 sequences of 512 tokens, a few MB for the tiny models
 DEFAULT_MAX_TOTAL_TOKENS = 32768
 
 
