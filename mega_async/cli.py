@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from mega_async.api.config import ConfigError
-
 from mega_async.api.config_load import load_config
 
 

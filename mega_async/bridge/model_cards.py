@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Optional
 if TYPE_CHECKING:
     import torch
 
+from mega_async.utils.outputs import EXPORT_MARK
+
 logger = logging.getLogger("mega_async.bridge.model_cards")
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +42,7 @@ def copy_model_files(src: str | os.PathLike, dst: str | os.PathLike, skip: tuple
     dst.mkdir(parents=True, exist_ok=True)
     for f in Path(src).iterdir():
         if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json" \
-                and f.name not in skip:
+                and f.name not in skip and f.name != EXPORT_MARK:  # (the writer marks its own output)
             shutil.copy2(f, dst / f.name)
 
 

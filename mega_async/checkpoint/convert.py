@@ -21,6 +21,7 @@ from typing import Any, Optional
 
 from mega_async.checkpoint.format import check_dist_checkpoint, model_sharded_state_dict
 from mega_async.bridge.model_cards import copy_model_files
+from mega_async.utils.outputs import check_replaceable
 
 logger = logging.getLogger("mega_async.checkpoint.convert")
 
@@ -68,6 +69,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     from mega_async.trainer.model import build_model
 
     src, out = Path(hf_dir), Path(out_dir)
+    check_replaceable(out, "mcore")  # before any work: a mistyped --out is refused, and nothing in it is touched
     if not (src / "config.json").exists():
         raise ConvertError(f"{src} is not an HF model directory (no config.json)")
     if not list(src.glob("*.safetensors")):
@@ -77,7 +79,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     n = load_hf_weights(models, src, progress=True)
     from mega_async.trainer.weights import partial_dir, swap_in
 
-    tmp = partial_dir(out)  # this conversion's own: a second one writing the same output never shares it
+    tmp = partial_dir(out, "mcore")  # this conversion's own: a second one writing the same output never shares it
     try:
         logger.info("loaded %d local tensors from %s; saving Megatron checkpoint", n, src)
         guard_checkpoint_writer()  # Megatron's writer process ends with this one, even under kill -9
@@ -88,7 +90,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
             copy_model_files(src, tmp / HF_SUBDIR)
             (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,
                                                 "source": str(src.resolve()), "hf_tensors": count}, indent=2))
-            swap_in(tmp, out)
+            swap_in(tmp, out, "mcore")
     except BaseException:
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -106,6 +108,7 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) 
     from mega_async.trainer.model import build_model
 
     src = Path(mcore_dir)
+    check_replaceable(Path(out_dir), "hf")  # before any work: a mistyped --out is refused, nothing in it touched
     meta_path = src / META
     if not meta_path.exists():
         raise ConvertError(f"{src} is not a checkpoint written by hf-to-mcore (no {META})")

@@ -9,10 +9,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from mega_async.api.config import RunConfig
-
 from mega_async.api.config_load import save_config
 from mega_async.utils.comm import any_rank
 
@@ -97,14 +94,14 @@ class Checkpointer:
 
         t0 = time.monotonic()
         out = self.cfg.run_dir / "hf_snapshots" / f"step_{step}"
-        save_hf_checkpoint(self.engine.models, out, src_dir=self.cfg.model.path)
+        save_hf_checkpoint(self.engine.models, out, src_dir=self.cfg.model.path, legacy=True)
         logger.info("HF snapshot %s (%.2fs)", out, time.monotonic() - t0)
 
     def export_final(self) -> None:
         """The run's final weights as an HF directory: `<run_dir>/final_hf` (every rank takes part)."""
         from mega_async.trainer.weights import save_hf_checkpoint
 
-        save_hf_checkpoint(self.engine.models, self.cfg.run_dir / "final_hf", src_dir=self.cfg.model.path)
+        save_hf_checkpoint(self.engine.models, self.cfg.run_dir / "final_hf", src_dir=self.cfg.model.path, legacy=True)
 
     def raise_if_preempted(self) -> None:
         if self.preempted is not None:

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 import torch
 
 from mega_async.api.config import RunConfig
-
 from mega_async.api.config_load import save_config
 from mega_async.utils.events import EventLog
 from mega_async.inference.service import InferenceService

@@ -176,7 +176,7 @@ def run_sft(cfg: SFTConfig) -> dict[str, Any]:
                 logger.info("sft: held-out greedy exact match %.3f >= trainer.stop_at_accuracy=%.3f after %d steps: "
                             "stopping", ev["eval/greedy"], t.stop_at_accuracy, step + 1)
                 break
-        save_hf_checkpoint(engine.models, run_dir / "final_hf", src_dir=cfg.model.path)
+        save_hf_checkpoint(engine.models, run_dir / "final_hf", src_dir=cfg.model.path, legacy=True)
     finally:
         metrics.close()
         destroy_parallel_state()

@@ -281,27 +281,40 @@ def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, 
                 yield name, t.cpu()
 
 
-def partial_dir(out: Path) -> Path:
+def partial_dir(out: Path, kind: str = "hf", legacy: bool = False) -> Path:
     """`<out>.partial.<random>`, made by rank 0 and named to every rank: the conversion writes there and renames it
     to `out` at the end, so two conversions to one output each finish whole (the last rename wins) and a killed
-    one leaves only its own partial folder."""
+    one leaves only its own partial folder. First, on rank 0, `out` must be replaceable by an export of `kind`
+    (`check_replaceable`): else OutputInUse on every rank, and nothing is made."""
     import tempfile
 
-    name = [None]
+    from mega_async.utils.outputs import OutputInUse, check_replaceable
+
+    name: list = [None, None]
     if not dist.is_initialized() or dist.get_rank() == 0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        name = [tempfile.mkdtemp(prefix=out.name + ".partial.", dir=out.parent)]
+        try:
+            check_replaceable(out, kind, legacy)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            name = [tempfile.mkdtemp(prefix=out.name + ".partial.", dir=out.parent), None]
+        except OutputInUse as e:
+            name = [None, str(e)]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
+    if name[1] is not None:
+        raise OutputInUse(name[1])
     return Path(name[0])
 
 
-def swap_in(tmp: Path, out: Path) -> None:
-    """Rename the finished folder `tmp` to `out`, replacing what is there (moved aside under a name of its own,
-    then removed): a second writer finishing at the same moment never fails on a non-empty `out`."""
+def swap_in(tmp: Path, out: Path, kind: str = "hf", legacy: bool = False) -> None:
+    """Rename the finished folder `tmp` (marked as an export of `kind` here) to `out`, replacing an earlier export of
+    that kind (moved aside under a name of its own, then removed; anything else there is refused: OutputInUse, and
+    `tmp` is left to the caller): a second writer finishing at the same moment never fails on a non-empty `out`."""
     import errno
     import tempfile
 
+    from mega_async.utils.outputs import check_replaceable, mark
+
+    mark(tmp, kind)
     while True:
         try:
             os.replace(tmp, out)
@@ -309,6 +322,7 @@ def swap_in(tmp: Path, out: Path) -> None:
         except OSError as e:
             if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                 raise
+        check_replaceable(out, kind, legacy)
         old = Path(tempfile.mkdtemp(prefix=out.name + ".old.", dir=out.parent))
         try:
             os.replace(out, old)  # onto the empty folder just made: always allowed
@@ -320,11 +334,13 @@ def swap_in(tmp: Path, out: Path) -> None:
 
 def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
                        max_shard_bytes: int = 2 << 30, progress: bool = False,
-                       fp8_block: Any = None) -> dict[str, int]:
+                       fp8_block: Any = None, legacy: bool = False) -> dict[str, int]:
     """HF safetensors (+ index, config, tokenizer files from `src_dir`), written by each pipeline stage's
     head for its own layers (a shared filesystem across nodes), into a partial folder of its own
     (`<out>.partial.<random>`), swapped in whole at the end: two exports to one output each finish whole.
-    `fp8_block` (rows, cols): the linear weights go as an FP8 block checkpoint (`mega_async.bridge.fp8`)."""
+    `fp8_block` (rows, cols): the linear weights go as an FP8 block checkpoint (`mega_async.bridge.fp8`). An `out`
+    that holds anything but an earlier HF export is refused before any work (`mega_async.utils.outputs`; `legacy`:
+    a run's own export folder from before the mark is replaced too)."""
     from safetensors.torch import save_file
 
     from mega_async.bridge import fp8
@@ -332,7 +348,7 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
     rs = Resharder(models, bucket_bytes=max_shard_bytes)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     out = Path(out_dir)
-    tmp = partial_dir(out)
+    tmp = partial_dir(out, "hf", legacy)
     try:
         written: list[tuple[str, list[str], int]] = []
         buckets: Any = rs.buckets()
@@ -367,7 +383,7 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
             config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
             if fp8.config_for(config, fp8_block) != config:
                 (tmp / "config.json").write_text(json.dumps(fp8.config_for(config, fp8_block), indent=2) + "\n")
-            swap_in(tmp, out)
+            swap_in(tmp, out, "hf", legacy)
     except BaseException:
         if rank0:  # a failed or interrupted export leaves nothing behind
             shutil.rmtree(tmp, ignore_errors=True)

@@ -5,7 +5,10 @@ one finishing second replaces the first's output instead of failing on a non-emp
 import threading
 from pathlib import Path
 
+import pytest
+
 from mega_async.trainer.weights import partial_dir as _partial_dir, swap_in
+from mega_async.utils.outputs import EXPORT_MARK, OutputInUse, check_replaceable
 
 
 def test_each_conversion_gets_its_own_partial_folder(tmp_path):
@@ -35,6 +38,62 @@ def test_writers_finishing_together_each_swap_in_a_whole_output(tmp_path):
     for t in threads:
         t.join()
     assert errors == []
-    contents = {p.read_text() for p in out.iterdir()}
-    assert len(contents) == 1 and len(list(out.iterdir())) == 5  # one writer's whole output
+    files = [p for p in out.iterdir() if p.name != EXPORT_MARK]
+    assert len({p.read_text() for p in files}) == 1 and len(files) == 5  # one writer's whole output
+    assert (out / EXPORT_MARK).read_text().strip() == "hf"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # nothing partial or old left
+
+
+def _export(out, kind="hf", text="w"):
+    tmp = _partial_dir(out, kind)
+    (tmp / "model.safetensors").write_text(text)
+    swap_in(tmp, out, kind)
+
+
+def test_an_export_replaces_only_an_earlier_export_of_its_kind(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()  # an empty folder is taken
+    _export(out, text="1")
+    _export(out, text="2")  # its own earlier export: replaced whole
+    assert (out / "model.safetensors").read_text() == "2"
+    with pytest.raises(OutputInUse, match="holds a mega-async 'hf' export, not a 'mcore' one"):
+        _export(out, "mcore")
+    assert (out / "model.safetensors").read_text() == "2"
+
+
+@pytest.mark.parametrize("what", ["a file", "a folder", "a source model", "a link", "a plain file as out"])
+def test_anything_else_is_refused_in_one_line_and_left_alone(tmp_path, what):
+    out = tmp_path / "out"
+    if what == "a plain file as out":
+        out.write_text("precious")
+    elif what == "a link":
+        (tmp_path / "elsewhere").mkdir()
+        out.symlink_to(tmp_path / "elsewhere")
+    else:
+        out.mkdir()
+        if what == "a file":
+            (out / "precious.txt").write_text("precious")
+        elif what == "a folder":
+            (out / "sub").mkdir()
+        else:  # an HF model's own folder (config, tokenizer, weights), not written by an export: never replaced
+            for name in ("config.json", "tokenizer.json", "model.safetensors"):
+                (out / name).write_text("theirs")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for kind in ("hf", "mcore"):
+        with pytest.raises(OutputInUse) as e:
+            _export(out, kind)
+        assert "\n" not in str(e.value) and str(out) in str(e.value) and "not replaced" in str(e.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # untouched; no partial folder left
+
+
+def test_a_runs_own_exports_from_before_the_mark_are_replaced_where_the_run_says_so(tmp_path):
+    out = tmp_path / "final_hf"
+    out.mkdir()
+    for name in ("config.json", "tokenizer.json", "model-pp000-00000.safetensors", "model.safetensors.index.json"):
+        (out / name).write_text("old")
+    with pytest.raises(OutputInUse):
+        check_replaceable(out, "hf")
+    check_replaceable(out, "hf", legacy=True)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(OutputInUse, match="not replaced"):
+        check_replaceable(out, "hf", legacy=True)

@@ -7,7 +7,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from mega_async.api.config import ConfigError
-
 from mega_async.api.config_load import load_config
 from mega_async.data import countdown as task
 from mega_async.reward.countdown import countdown_reward

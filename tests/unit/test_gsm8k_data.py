@@ -8,7 +8,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from mega_async.api.config import ConfigError
-
 from mega_async.api.config_load import load_config
 from mega_async.data.gsm8k import INSTRUCTION, load_gsm8k
 

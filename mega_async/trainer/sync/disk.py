@@ -77,7 +77,8 @@ class DiskWeightSync(WeightSync):
         from mega_async.trainer.weights import save_hf_checkpoint
 
         t0 = time.perf_counter()
-        save_hf_checkpoint(self.models, self.path(target), src_dir=self.src_dir, fp8_block=self.fp8_block)
+        save_hf_checkpoint(self.models, self.path(target), src_dir=self.src_dir, fp8_block=self.fp8_block,
+                           legacy=True)
         self.last = {"export_s": time.perf_counter() - t0}
 
     def _update(self, target: int) -> Optional[str]:
