@@ -47,6 +47,30 @@ class ParallelConfig:
             raise ConfigError(f"parallel.allocation={self.allocation!r}: {why}") from None
 
 
+MAX_SEED = 2 ** 31 - 1  # every consumer takes it: torch, numpy (< 2**32), SGLang's int fields, seed + server index
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed={seed} must be in [0, {MAX_SEED}] (the servers, numpy and torch take seeds of 32 "
+                          "bits or fewer)")
+
+
+# flags of a server's (and the router's) command line that the run sets and relies on: never from extra_args
+SERVER_OWNED_FLAGS = ("--host", "--port", "--api-key", "--model-path", "--model", "--tokenizer-path")
+ROUTER_OWNED_FLAGS = ("--host", "--port", "--worker-urls", "--api-key")
+
+
+def owned_flag(args: Sequence[str], owned: Sequence[str]) -> Optional[str]:
+    """The first of `args` that sets one of `owned` (also by an abbreviation argparse would take: --po for --port),
+    else None."""
+    for a in args:
+        name = str(a).split("=", 1)[0]
+        if name.startswith("--") and len(name) > 3 and any(o == name or o.startswith(name) for o in owned):
+            return name
+    return None
+
+
 @dataclass
 class InferenceConfig:
     backend: str = "embedded"  # embedded (CPU server in-tree) | sglang (real servers) | simulated
@@ -110,6 +134,12 @@ class InferenceConfig:
                    "--disable-radix-cache yourself" if self.addresses else "the simulated engine has no cache")
             raise ConfigError(f"inference.radix_cache={str(self.radix_cache).lower()} is for the servers the run "
                               f"launches; {why}, and leave inference.radix_cache out")
+        for key, args, owned in (("inference.extra_args", self.extra_args, SERVER_OWNED_FLAGS),
+                                 ("inference.router_args", self.router_args, ROUTER_OWNED_FLAGS)):
+            if (flag := owned_flag(args, owned)) is not None:
+                raise ConfigError(f"{key} sets {flag}, which the run sets itself (it must know where its servers "
+                                  "listen and what they serve): drop it (the model is model.path, the key "
+                                  "inference.api_key_env)")
         if self.radix_cache and "--disable-radix-cache" in self.extra_args:
             raise ConfigError("inference.radix_cache=true and --disable-radix-cache in inference.extra_args contradict "
                               "each other: drop the flag, or set inference.radix_cache=false")
@@ -447,6 +477,7 @@ class RunConfig:
             v = getattr(self, name)
             if not v or "/" in v or v in (".", ".."):
                 raise ConfigError(f"{name}={v!r} must be a non-empty name without '/'")
+        check_seed(self.seed)
         for section in (self.model, self.parallel, self.inference, self.rollout, self.data, self.algorithm,
                         self.trainer, self.logging, self.launch):
             section.validate()

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.api.config import ConfigError, check_finite
+from mega_async.api.config import ConfigError, check_finite, check_seed
 from mega_async.api.config_load import load_typed
 
 
@@ -81,6 +81,7 @@ class SFTConfig:
     def validate(self) -> None:
         """Raises ConfigError naming the first bad key."""
         check_finite(self)
+        check_seed(self.seed)
         t, k = self.trainer, self.task
         for key, v in (("trainer.total_steps", t.total_steps), ("trainer.batch_size", t.batch_size),
                        ("task.eval_size", k.eval_size), ("task.rl_prompts", k.rl_prompts),

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -47,6 +48,19 @@ class RunDirLock:
         seconds for it to go, as it does within seconds, then refuse."""
         d = Path(run_dir)
         created = next((p for p in reversed([d, *d.parents]) if not p.exists()), None)
+        try:
+            return cls._acquire(d, created, wait_for_ended)
+        except RunDirLockError:
+            _remove_made(d, created)
+            raise
+        except OSError as e:  # a read-only or full disk, a run.lock that is no file: one line, nothing left behind
+            _remove_made(d, created)
+            where = e.filename or d
+            raise RunDirLockError(f"cannot lock the run directory {d}: {e.strerror} ({where}); "
+                                  f"{_fix(e.errno)}") from None
+
+    @classmethod
+    def _acquire(cls, d: Path, created: Optional[Path], wait_for_ended: float) -> "RunDirLock":
         d.mkdir(parents=True, exist_ok=True)
         path = d / LOCK_FILE
         deadline, said = time.monotonic() + wait_for_ended, False
@@ -72,8 +86,20 @@ class RunDirLock:
             os.close(fd)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                 "command": " ".join(["mega-async", *sys.argv[1:]])[:300]}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        record = (json.dumps(info) + "\n").encode()
+        try:
+            if os.fstat(fd).st_size < len(record):  # room for the record first: a full disk never empties the file
+                try:
+                    os.posix_fallocate(fd, 0, len(record))
+                except OSError as e:
+                    if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):  # no fallocate here: write
+                        raise
+            os.pwrite(fd, record, 0)
+            os.ftruncate(fd, len(record))
+        except OSError as e:
+            os.close(fd)
+            e.filename = e.filename or str(path)
+            raise
         return cls(d, fd, created)
 
     def release(self) -> None:
@@ -125,13 +151,44 @@ def refuse_if_in_use(run_dir: str | Path) -> None:
 
 
 def _open(path: Path) -> int:
-    try:  # O_NOFOLLOW: a link planted at run.lock is refused, not followed (and never truncated)
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:  # O_NOFOLLOW: a link planted at run.lock is refused, not followed (and never truncated); O_NONBLOCK: a FIFO
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise RunDirLockError(f"{path}: is a symbolic link; a run directory must hold its own files: remove it, "
                                   "or choose another trial_name") from None
+        if e.errno == errno.EISDIR:
+            raise RunDirLockError(f"{path}: is a directory, not the run's lock file: remove it, or choose another "
+                                  "trial_name") from None
         raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise RunDirLockError(f"{path}: is not a regular file (a FIFO or device), not the run's lock file: remove "
+                              "it, or choose another trial_name")
+    return fd
+
+
+def _fix(err: Optional[int]) -> str:
+    if err == errno.ENOSPC or err == errno.EDQUOT:
+        return "free some space there, or choose another logging.root_dir"
+    if err in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return "choose a writable logging.root_dir"
+    return "check the run directory, or choose another logging.root_dir or trial_name"
+
+
+def _remove_made(d: Path, created: Optional[Path]) -> None:
+    """The folders a failed lock made (from `created` down to `d`), while they hold nothing but an empty lock."""
+    if created is None:
+        return
+    with contextlib.suppress(OSError):
+        lock = d / LOCK_FILE
+        if lock.is_file() and not lock.is_symlink() and lock.stat().st_size == 0:
+            lock.unlink()
+        while True:
+            os.rmdir(d)
+            if d == created:
+                break
+            d = d.parent
 
 
 def _flock(fd: int, path: Path) -> str:

@@ -10,7 +10,9 @@ from typing import Optional
 import torch
 from mega_async.server.app import DTYPES, EmbeddedServer
 from mega_async.server.connections import ConnectionLimits, serve
+from mega_async.api.config import MAX_SEED
 from mega_async.api.sglang_releases import MIRRORED_DEFAULT, TESTED_RANGE, untested_reason
+from mega_async.bridge.model_cards import ModelTooLarge
 
 logger = logging.getLogger("mega_async.server")
 
@@ -93,7 +95,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"--{str(e).replace('_', '-')}") from None
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    server = EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
+    if not 0 <= args.random_seed <= MAX_SEED:
+        raise SystemExit(f"--random-seed {args.random_seed}: must be in [0, {MAX_SEED}]")
+    try:
+        server = _server(args, limits)
+    except (ModelTooLarge, FileNotFoundError, ValueError, KeyError) as e:  # bad input: one line, no traceback
+        raise SystemExit(str(e) if isinstance(e, ModelTooLarge) else f"--model {args.model}: {type(e).__name__}: "
+                         f"{e}") from None
+    logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
+    serve(server.app(), args.host, args.port, limits, shutdown_timeout=5.0)
+
+
+def _server(args: argparse.Namespace, limits: ConnectionLimits) -> EmbeddedServer:
+    return EmbeddedServer(args.model, dtype=args.dtype, device=args.device, weights_root=args.weights_root,
                             api_key=args.api_key, max_batch_size=args.max_running_requests, seed=args.random_seed,
                             host=args.host, port=args.port, weight_update_timeout_s=args.weight_update_timeout,
                             prefix_cache_tokens=0 if args.disable_radix_cache else args.prefix_cache_tokens,
@@ -103,6 +118,3 @@ def main(argv: Optional[list[str]] = None) -> None:
                             enable_custom_logit_processor=args.enable_custom_logit_processor,
                             max_queued_requests=args.max_queued_requests,
                             max_requests_per_body=args.max_requests_per_body, connection_limits=limits)
-    logger.info("serving %s on http://%s:%d", args.model, args.host, args.port)
-    # handler_cancellation: a client that disconnects cancels its handler, which aborts its requests
-    serve(server.app(), args.host, args.port, limits, shutdown_timeout=5.0)

@@ -306,15 +306,16 @@ def partial_dir(out: Path, kind: str = "hf", legacy: bool = False) -> Path:
 
 
 def swap_in(tmp: Path, out: Path, kind: str = "hf", legacy: bool = False) -> None:
-    """Rename the finished folder `tmp` (marked as an export of `kind` here) to `out`, replacing an earlier export of
+    """Rename the finished folder `tmp` (marked as an export of `kind` here, its modes following the umask) to `out`, replacing an earlier export of
     that kind (moved aside under a name of its own, then removed; anything else there is refused: OutputInUse, and
     `tmp` is left to the caller): a second writer finishing at the same moment never fails on a non-empty `out`."""
     import errno
     import tempfile
 
-    from mega_async.utils.outputs import check_replaceable, mark
+    from mega_async.utils.outputs import check_replaceable, follow_umask, mark
 
     mark(tmp, kind)
+    follow_umask(tmp)
     while True:
         try:
             os.replace(tmp, out)

@@ -109,3 +109,29 @@ def _moved(path: Path, fd: int) -> bool:
         return os.stat(path, follow_symlinks=False).st_ino != os.fstat(fd).st_ino
     except FileNotFoundError:
         return True
+
+
+def umask() -> int:
+    """This process's umask, read without changing it (Linux: /proc/self/status; elsewhere set and restored)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(folder: Path) -> None:
+    """Give an export's folder and everything in it the modes a plain mkdir and open would (0o777 / 0o666 less the
+    umask), as checkpoints have: temporary folders are made private (0700) and some writers create files 0600, so an
+    export would otherwise be unreadable by a team mate or an inference service running as another user."""
+    mask = umask()
+    for root, dirs, files in os.walk(folder):
+        os.chmod(root, 0o777 & ~mask)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                os.chmod(path, 0o666 & ~mask)

@@ -132,3 +132,28 @@ def test_train_log_on_a_full_disk_is_named_once_on_stderr(small_fs, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and str(fs / "train.log") in err[0] and "No space left on device" in err[0], err
     assert (fs / "train.log").read_bytes().endswith(b"\n")
+
+
+def test_the_run_lock_on_a_full_or_read_only_disk_is_one_line_and_leaves_nothing(small_fs):
+    """Taking a run directory's lock where it cannot be written: one line naming the problem and the fix (no
+    OSError traceback), an existing lock file's record kept, and no new run directory left behind."""
+    from mega_async.run.lock import LOCK_FILE, RunDirLock, RunDirLockError
+
+    fs = small_fs("64k")
+    old = fs / "exp" / "old"
+    old.mkdir(parents=True)
+    (old / LOCK_FILE).write_text("")  # a lock file from an earlier run, empty: the new record needs space
+    fill(fs, leave=0)
+    with pytest.raises(RunDirLockError, match=r"cannot lock the run directory .*No space left on device.*free some "
+                                              r"space there"):
+        RunDirLock.acquire(old)
+    assert (old / LOCK_FILE).exists()  # kept, not emptied or removed
+    with pytest.raises(RunDirLockError, match="No space left on device"):
+        RunDirLock.acquire(fs / "exp" / "new" / "trial")
+    assert sorted(p.name for p in (fs / "exp").iterdir()) == ["old"]  # no fresh run directory left behind
+    (fs / "filler").unlink()
+    subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+    for d in (fs / "exp" / "new", old):
+        with pytest.raises(RunDirLockError, match=r"Read-only file system.*choose a writable logging.root_dir") as e:
+            RunDirLock.acquire(d)
+        assert "\n" not in str(e.value)

@@ -97,3 +97,23 @@ def test_a_runs_own_exports_from_before_the_mark_are_replaced_where_the_run_says
     (out / "notes.txt").write_text("mine")
     with pytest.raises(OutputInUse, match="not replaced"):
         check_replaceable(out, "hf", legacy=True)
+
+
+@pytest.mark.parametrize("mask", [0o022, 0o027, 0o077])
+def test_an_export_follows_the_umask(tmp_path, mask):
+    import os
+    import stat
+
+    old = os.umask(mask)
+    try:
+        tmp = _partial_dir(tmp_path / "out")
+        (tmp / "sub").mkdir()
+        fd = os.open(tmp / "model.safetensors", os.O_CREAT | os.O_WRONLY, 0o600)  # a writer that makes files 0600
+        os.close(fd)
+        (tmp / "sub" / "config.json").write_text("{}")
+        swap_in(tmp, tmp_path / "out")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [tmp_path / "out", *(tmp_path / "out").rglob("*")]}
+    assert modes == {"out": 0o777 & ~mask, "sub": 0o777 & ~mask, "model.safetensors": 0o666 & ~mask,
+                     "config.json": 0o666 & ~mask, EXPORT_MARK: 0o666 & ~mask}

@@ -125,3 +125,20 @@ def test_a_start_waits_for_the_stopping_processes_of_a_run_that_just_ended(tmp_p
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_lock_file_that_is_no_file_is_refused_in_one_line(tmp_path, kind):
+    import os
+
+    from mega_async.run.lock import LOCK_FILE, RunDirLock, RunDirLockError
+
+    run = tmp_path / "run"
+    run.mkdir()
+    if kind == "directory":
+        (run / LOCK_FILE).mkdir()
+    else:
+        os.mkfifo(run / LOCK_FILE)
+    with pytest.raises(RunDirLockError, match="not the run's lock file: remove it, or choose another trial_name"):
+        RunDirLock.acquire(run)
+    assert (run / LOCK_FILE).exists()
