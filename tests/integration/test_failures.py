@@ -214,26 +214,33 @@ def test_request_over_the_context_length_stops_at_once(server):
 
 
 @pytest.mark.slow  # starts a server
-def test_server_answering_500_is_dropped_although_health_answers(server):
+def test_server_answering_500_is_taken_out_although_health_answers(server):
+    """A wedged engine (/generate answers 500 while /health and /model_info answer) is taken out of generation, not
+    dropped for good: it is asked only by a one-token /generate probe, at most once per health_check_interval,
+    until it generates again."""
     broken = BrokenServer()
-    client = SGLangClient([broken.address, *server.addresses], max_retries=2, retry_backoff=0.01)
+    client = SGLangClient([broken.address, *server.addresses], max_retries=2, retry_backoff=0.01,
+                          health_check_interval=1.0)
     with executor(client) as ex:
         for _ in range(3):
             assert len(ex.prepare_batch(ITEMS)) == 2
             ex.set_version(ex.version + 1)
-    assert client.servers[0].dropped and "answered 500 3 times in a row" in client.servers[0].dropped
-    calls = broken.generate_calls
-    with executor(client) as ex:  # dropped for good: never asked again, although /health answers 200
+    s = client.servers[0]
+    assert s.dropped is None and not s.healthy and s.wedged and "answered 500 3 times in a row" in s.down
+    calls, t0 = broken.generate_calls, time.monotonic()
+    with executor(client) as ex:  # out: only the probe asks it, never the batch's requests
         ex.prepare_batch(ITEMS)
-    assert broken.generate_calls == calls
+    assert broken.generate_calls - calls <= 1 + (time.monotonic() - t0) / client.health_check_interval
 
-    only_broken = SGLangClient([broken.address], max_retries=2, retry_backoff=0.01, unhealthy_timeout=60)
+    only_broken = SGLangClient([broken.address], max_retries=2, retry_backoff=0.01, unhealthy_timeout=3,
+                               health_check_interval=0.5)
     t0 = time.monotonic()
     with executor(only_broken) as ex:
-        with pytest.raises(RolloutError, match=r"no usable inference server \(http://127\.0\.0\.1:\d+: "
-                                               r"dropped: /generate answered 500"):
+        with pytest.raises(RolloutError, match=r"no usable inference server for 3s \(http://127\.0\.0\.1:\d+: "
+                                               r"down \(/generate answered 500 3 times in a row.*out until a "
+                                               r"/generate answers"):
             ex.prepare_batch(ITEMS)
-    assert time.monotonic() - t0 < 10  # not the 60 s unhealthy_timeout: a dropped server never comes back
+    assert time.monotonic() - t0 < 3 + 8
 
 
 @pytest.mark.slow

@@ -31,13 +31,15 @@ TABLE = [
     ("busy", dict(attempt=4, count=4), Step("ask")),  # past max_retries: is it down as a whole?
     ("busy", dict(attempt=4, count=4, whole=True), Step("take_out", unstick=True)),
     ("busy", dict(attempt=4, count=4, whole=False), Step("wait", B * 16, unstick=True)),
-    ("busy", dict(attempt=4, count=4, router=True), Step("wait", B * 16, unstick=True)),  # a router: waited for
+    ("busy", dict(attempt=4, count=4, router=True), Step("wait", B * 16, unstick=True)),  # a router: waited for ...
+    ("busy", dict(attempt=9, count=9, router=True, busy_for=11.0), Step("router_down", unstick=True)),  # ... a bound
+    ("busy", dict(attempt=9, count=9, router=True, busy_for=11.0, router_busy=20.0), Step("wait", B * 32, unstick=True)),
     # 5xx: counted in a row per server; past max_retries out (down as a whole) or dropped (a wedged engine)
     ("failed", dict(attempt=1, count=1), Step("wait", B * 2)),
     ("failed", dict(attempt=3, count=3), Step("wait", B * 8)),
     ("failed", dict(attempt=4, count=4), Step("ask")),
     ("failed", dict(attempt=4, count=4, whole=True), Step("take_out", unstick=True)),
-    ("failed", dict(attempt=4, count=4, whole=False), Step("drop", unstick=True)),
+    ("failed", dict(attempt=4, count=4, whole=False), Step("wedged", unstick=True)),  # out until /generate answers
     ("failed", dict(attempt=4, count=4, router=True), Step("router_down", unstick=True)),
 ]
 

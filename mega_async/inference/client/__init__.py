@@ -9,10 +9,11 @@ Servers are picked by fewest in-flight requests, sticky per request id. Connecti
 with backoff: the server is marked unhealthy, its requests rerouted, and it is re-admitted once /health
 answers again and it serves the weights this client last synced (a restarted process has its launch weights,
 one that was down missed a sync: it stays out, `recover` brings it up to date, and the weight syncs include
-it). A server that answers 5xx more than `max_retries` times in a row is dropped for good (its
-/health may still answer); a busy one (429, or 503: SGLang's full queue, a server's bound on bodies in memory) is
+it). A server that answers 5xx more than `max_retries` times in a row (in time: requests sent together count once)
+is taken out; while its /model_info answers it is a wedged engine, back once a one-token /generate answers; a busy one (429, or 503: SGLang's full queue, a server's bound on bodies in memory) is
 not a failing one: the request waits its Retry-After (else a growing backoff), goes to the least loaded server
-again, and fails in one line only after `request_timeout` seconds of busy answers; one whose /model_info fails too
+again, and fails in one line only after `request_timeout` seconds of busy answers (a router: gone around after
+`router_busy` seconds, naming it); one whose /model_info fails too
 is down as a whole and taken out until it answers (never dropped for good). 401/403, a request over the context
 length, and no usable server within `unhealthy_timeout` raise `FatalEngineError`: retrying cannot fix them.
 """
@@ -22,8 +23,8 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 from mega_async.api.types import Version
-from mega_async.inference.client.generate import (Generation, Step, merge_routed_experts, outcome, retry_step,
-                                                  token_versions)
+from mega_async.inference.client.generate import (ROUTER_BUSY_S, Generation, Step, merge_routed_experts, outcome,
+                                                  retry_step, token_versions)
 from mega_async.inference.client.transport import (FatalServerError, NoHealthyServerError, ServerError,
                                                    ServerHung, ServerTimeout, classify_status, connection_budget)
 from mega_async.inference.client.weights import REABORT_S, WeightControl, join_grace
@@ -52,6 +53,7 @@ class SGLangClient(Generation, WeightControl):
         events: Any = None,
         max_connections: Optional[int] = None,
         router: Optional[str] = None,
+        router_busy: float = ROUTER_BUSY_S,
     ):
         if not addresses:
             raise ValueError("SGLangClient needs at least one server address (host:port)")
@@ -63,5 +65,5 @@ class SGLangClient(Generation, WeightControl):
         self._init_pool(addresses, router, events if events is not None else NullEventLog(), max_retries=max_retries,
                         retry_backoff=retry_backoff, health_check_interval=health_check_interval,
                         unhealthy_timeout=unhealthy_timeout)
-        self._init_generation(version, max_resubmits)
+        self._init_generation(version, max_resubmits, router_busy)
         self._init_weights()

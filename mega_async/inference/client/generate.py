@@ -125,19 +125,25 @@ class Step:
 # return: the answer is the request's; raise: no retry can help; resend: the same server again at once; wait:
 # then the next attempt (the least loaded server again where `unstick`); out: the server (or router) gave no
 # answer: taken out, then wait; ask: whether the server fails as a whole (/model_info) decides, asked again with
-# `whole`; take_out: out of generation until it answers again, then at once elsewhere; drop: for good, then at once
-# elsewhere; router_down: generation goes around the router until it answers /health, then at once
-ACTIONS = ("return", "raise", "resend", "wait", "out", "ask", "take_out", "drop", "router_down")
+# `whole`; take_out: out of generation until it answers again, then at once elsewhere; wedged: out until a /generate
+# answers again (its other calls answer), then at once elsewhere; router_down: generation goes around the router
+# until it answers /health again, then at once
+ACTIONS = ("return", "raise", "resend", "wait", "out", "ask", "take_out", "wedged", "router_down")
+ROUTER_BUSY_S = 10.0  # a router busy (429/503) for longer than this is gone around, as a failing one is
+ROUTER_HOLD_S = 30.0  # ... and held out this long before it is tried again
 
 
 def retry_step(kind: str, *, attempt: int, resent: bool = False, count: int = 0, busy_for: float = 0.0,
                router: bool = False, whole: Optional[bool] = None, max_retries: int = 3, backoff: float = 0.2,
-               request_timeout: float = 300.0, retry_after: Optional[float] = None) -> Step:
+               request_timeout: float = 300.0, retry_after: Optional[float] = None,
+               router_busy: float = ROUTER_BUSY_S) -> Step:
     """The retry rule for one /generate attempt. `kind`: ok, refused (another non-200 answer), emfile (this
     process is out of file descriptors), broken (the connection broke before any answer), no_answer, busy (429
     or 503: backpressure, never a failure), failed (5xx). `attempt`: attempts so far, this one included; `count`:
-    the server's busy (kind busy) or 5xx (kind failed) answers in a row, this one included; `busy_for`: seconds
-    of busy answers in a row; `router`: the answer came from the router; `whole`: the answer to `ask`."""
+    the server's busy (kind busy) or 5xx (kind failed) answers in a row in time (answers to requests sent together
+    count once), this one included; `busy_for`: seconds of busy answers in a row; `router`: the answer came from
+    the router; `whole`: the answer to `ask`; `router_busy`: how long a busy router is waited for before
+    generation goes around it (smg answers 503 while it trusts no worker)."""
     if kind == "ok":
         return Step("return")
     if kind == "refused":
@@ -154,6 +160,8 @@ def retry_step(kind: str, *, attempt: int, resent: bool = False, count: int = 0,
                 return Step("ask")
             if whole:
                 return Step("take_out", unstick=True)
+        if router and busy_for > min(router_busy, request_timeout):
+            return Step("router_down", unstick=True)
         if busy_for > request_timeout:
             return Step("raise")
         delay = retry_after if retry_after is not None else backoff * 2 ** min(attempt, 5)
@@ -165,8 +173,9 @@ def retry_step(kind: str, *, attempt: int, resent: bool = False, count: int = 0,
             return Step("router_down", unstick=True)
         if whole is None:
             return Step("ask")
-        # out until its /model_info answers again; else a wedged engine behind a working front: never re-admitted
-        return Step("take_out" if whole else "drop", unstick=True)
+        # out until its /model_info answers again; else a wedged engine behind a working front: out until a
+        # /generate answers again
+        return Step("take_out" if whole else "wedged", unstick=True)
     raise ValueError(f"unknown outcome {kind!r}")
 
 
@@ -186,8 +195,9 @@ def outcome(error: Optional[BaseException], status: int) -> str:
 class Generation(ServerPool):
     """agenerate and its loop; the client-side pause (interrupted requests wait, unsent, until resume)."""
 
-    def _init_generation(self, version: Optional[Version], max_resubmits: int) -> None:
+    def _init_generation(self, version: Optional[Version], max_resubmits: int, router_busy: float) -> None:
         self.max_resubmits = max_resubmits
+        self.router_busy = router_busy  # seconds of busy answers from the router before generation goes around it
         self._version = version if version is not None else WeightVersion()  # read; owned by the weight sync
         self._pause_lock = threading.Lock()
         self._resumed: dict[asyncio.AbstractEventLoop, asyncio.Future] = {}  # per loop: set by resume()
@@ -209,18 +219,22 @@ class Generation(ServerPool):
         first_rid, attempt, resent, busy_since = payload["rid"], 0, False, None
         while True:
             payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
-            s, error, status, body = await self._attempt(rid, payload)
+            s, sent, error, status, body = await self._attempt(rid, payload)
             kind = outcome(error, status)
             attempt += kind not in ("ok", "refused")
             now = time.monotonic()
+            counted = kind in ("busy", "failed") and sent >= s.last_failure  # in a row in time, not in parallel
+            if counted:
+                s.last_failure = now
             if kind == "busy":
-                busy_since, s.busy = busy_since or now, s.busy + 1
+                busy_since, s.busy = busy_since or now, s.busy + counted
             elif error is None:
                 busy_since = None
-            s.failures += kind == "failed"
+            s.failures += kind == "failed" and counted
             args = dict(kind=kind, attempt=attempt, resent=resent, count=s.busy if kind == "busy" else s.failures,
                         busy_for=now - (busy_since or now), router=s is self.router, max_retries=self.max_retries,
-                        backoff=self.retry_backoff, request_timeout=self.request_timeout, retry_after=s.retry_after)
+                        backoff=self.retry_backoff, request_timeout=self.request_timeout, retry_after=s.retry_after,
+                        router_busy=self.router_busy)
             step = retry_step(**args)
             if step.action == "ask":
                 step = retry_step(**args, whole=await self._failing_throughout(s))
@@ -231,15 +245,15 @@ class Generation(ServerPool):
             if step.action == "raise":
                 raise self._give_up(s, kind, status, body, now - (busy_since or now))
             resent = resent or step.action == "resend"
-            self._act_on(step, s, kind, error, status, body)
+            self._act_on(step, s, kind, error, status, body, now - (busy_since or now))
             if step.unstick:
                 self._sticky.pop(rid, None)
             if step.wait:
                 await asyncio.sleep(step.wait)
 
-    async def _attempt(self, rid: str, payload: dict) -> tuple[_Server, Optional[BaseException], int, Any]:
+    async def _attempt(self, rid: str, payload: dict) -> tuple[_Server, float, Optional[BaseException], int, Any]:
         """One send: a slot of this loop's (never taken while the client is paused), a server, the answer or the
-        error. Returns (server, error, status, body)."""
+        error. Returns (server, when it was sent, error, status, body)."""
         gate = self._gate()
         # acquire/release, not an async-generator context manager: asyncio.run's shutdown_asyncgens may close
         # that generator under a task still inside it, and its exit then raised "generator didn't stop after
@@ -252,18 +266,19 @@ class Generation(ServerPool):
             finally:
                 self._choosing -= 1
             self._count(s, 1)
+            sent = time.monotonic()
             try:
                 status, body = await self._cuttable(s, self._request("POST", s, "/generate", payload, resend=False))
-                return s, None, status, body
+                return s, sent, None, status, body
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
-                return s, e, 0, None
+                return s, sent, e, 0, None
             finally:
                 self._count(s, -1)
         finally:
             gate.release()
 
     def _act_on(self, step: Step, s: _Server, kind: str, error: Optional[BaseException], status: int,
-                body: Any) -> None:
+                body: Any, busy_for: float) -> None:
         """What a retry step does to the server before the next attempt."""
         if step.action == "wait" and kind == "emfile" and time.monotonic() - self._emfile_warned > 10.0:
             self._emfile_warned = time.monotonic()
@@ -280,15 +295,19 @@ class Generation(ServerPool):
         elif step.action == "take_out" and kind == "busy":
             self._mark_unhealthy(s, f"/generate answered {status} {s.busy} times in a row and /model_info fails too")
             s.busy = 0
-        elif step.action in ("take_out", "drop", "router_down"):
+        elif step.action == "router_down" and kind == "busy":
+            self._router_down(f"/generate answered {status} (busy: {_error_message(body)[:120]}) for {busy_for:.0f} s")
+            s.out_until, s.busy = time.monotonic() + ROUTER_HOLD_S, 0
+        elif step.action in ("take_out", "wedged", "router_down"):
             why = f"/generate answered {status} {s.failures} times in a row: {_error_message(body)[:200]}"
             if step.action == "router_down":
                 self._router_down(why)
             elif step.action == "take_out":
                 self._mark_unhealthy(s, why + " (and /model_info fails too)")
             else:
-                self._drop(s, why)
-            s.failures = 0 if step.action != "drop" else s.failures
+                self._mark_unhealthy(s, why + " while its /model_info answers: out until a /generate answers")
+                s.wedged = True
+            s.failures = 0
 
     def _give_up(self, s: _Server, kind: str, status: int, body: Any, busy_for: float) -> ServerError:
         if kind == "busy":

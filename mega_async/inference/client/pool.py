@@ -151,6 +151,8 @@ class ServerPool(Transport):
             if str(have) != self._served:
                 self._set_behind(s, have)
                 return
+        if s.wedged and not await self._generates(s):  # its other calls answered all along: generation must
+            return
         if s.healthy or s.dropped is not None:  # another probe of it got here first
             return
         if not s.behind:  # back after a failure, maybe as a new process (no weight-update group, no session)
@@ -160,6 +162,17 @@ class ServerPool(Transport):
         s.healthy, s.failures, s.behind, s.returning_until = True, 0, False, 0.0
         self._suspects.discard(self._index.get(id(s), -1))
         self._push(s)
+
+    async def _generates(self, s: _Server) -> bool:
+        """Whether a wedged server (5xx to /generate while its /model_info answered) answers a one-token /generate
+        again (then it is no longer wedged)."""
+        body = {"input_ids": [1], "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        try:
+            status, _ = await self._request("POST", s, "/generate", body, timeout=10.0, resend=False)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return False
+        s.wedged = status != 200
+        return not s.wedged
 
     def _set_behind(self, s: _Server, have: Any) -> None:
         """s serves another weight version than the last sync set: out of generation until it has the current
@@ -416,7 +429,7 @@ class ServerPool(Transport):
         if r is None:
             return None
         if not r.healthy:
-            if time.monotonic() - r.last_probe < self.health_check_interval:
+            if time.monotonic() - r.last_probe < self.health_check_interval or time.monotonic() < r.out_until:
                 return None
             r.last_probe = time.monotonic()
             try:

@@ -155,6 +155,11 @@ class _Server:
     busy: int = 0  # busy answers (429/503) to /generate in a row
     retry_after: Optional[float] = None  # the Retry-After (seconds) of its last 429/503 answer, if it sent one
     busy_warned: float = -1e9  # when its busy answers were last logged (monotonic)
+    # when its last counted 5xx or busy answer came (monotonic): an answer counts toward `failures`/`busy` in a row
+    # only for a request sent after it, so requests in flight together that fail together count once
+    last_failure: float = -1e9
+    wedged: bool = False  # out after 5xx answers while its /model_info answered: back once a /generate answers
+    out_until: float = 0.0  # the router: gone around (busy for too long) until then, /health or not (monotonic)
 
 
 
