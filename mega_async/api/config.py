@@ -47,6 +47,24 @@ class ParallelConfig:
             raise ConfigError(f"parallel.allocation={self.allocation!r}: {why}") from None
 
 
+MIN_SYNC_TIMEOUT_S = 1.0  # trainer.sync_timeout: below it no weight-update group can be set up
+
+
+def host_name_ok(host: str) -> bool:
+    """An IP address, or a host name as RFC 1123 spells one (a name of digits and dots must be an IPv4 address)."""
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    if not host or len(host) > 253 or all(lb.isdigit() for lb in labels):
+        return False
+    return all(re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?", lb) for lb in labels)
+
+
 MAX_SEED = 2 ** 31 - 1  # every consumer takes it: torch, numpy (< 2**32), SGLang's int fields, seed + server index
 
 
@@ -393,7 +411,12 @@ class TrainerConfig:
                               "checksum or auto")
         if self.sync_backend is not None:
             _choice("trainer.sync_backend", self.sync_backend, ("gloo", "nccl"))
-        _positive("trainer.sync_timeout", self.sync_timeout)
+        if not self.sync_timeout >= MIN_SYNC_TIMEOUT_S:
+            raise ConfigError(f"trainer.sync_timeout={self.sync_timeout:g} is below {MIN_SYNC_TIMEOUT_S:g} s: a "
+                              "weight-update group cannot even be set up in that time; use seconds (default 300)")
+        if self.sync_master_address is not None and not host_name_ok(self.sync_master_address):
+            raise ConfigError(f"trainer.sync_master_address={self.sync_master_address!r} is not an IP address or a "
+                              "host name: give the address the servers reach this trainer at (or leave it out)")
         _positive("trainer.keep_weight_versions", self.keep_weight_versions)
         _positive("trainer.verify_sync_tol", self.verify_sync_tol)
         _choice("trainer.verify_sync_method", self.verify_sync_method, ("auto", "probe", "checksum"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from mega_async.api.config import ConfigError, RunConfig
 from mega_async.data import check_items, load_rows, synthetic_items
@@ -39,6 +39,14 @@ def check_inputs(cfg: RunConfig) -> None:
 
         if problem := untested_sglang(cfg.inference.allow_untested_sglang):
             raise ConfigError(problem)
+    if (host := cfg.trainer.sync_master_address) is not None:  # the trainer's side of the weight-update group
+        import socket
+
+        try:
+            socket.getaddrinfo(host, None)
+        except (socket.gaierror, UnicodeError) as e:
+            raise ConfigError(f"trainer.sync_master_address={host!r} does not resolve on this host ({e}): the "
+                              "servers could not reach the trainer there; fix it or leave it out") from None
     card = Path(cfg.model.path) / "config.json"
     if not card.is_file():
         raise ConfigError(f"model.path={cfg.model.path}: config.json not found; pass an HF-format model directory")
@@ -133,13 +141,36 @@ def within_prompt_budget(items: list, workflow: Any, cfg: RunConfig) -> list:
     encode = getattr(workflow, "encode", None)
     if encode is None:
         return items
-    kept = [it for it in items if len(encode(it)[0]) <= limit]
+    span = longest_token(getattr(workflow, "tokenizer", None))
+    # a prompt whose text could not fit in `limit` tokens even at the longest token is dropped untokenized: a
+    # tokenizer given a row of hundreds of MB takes gigabytes (and aborts), whatever data.max_row_bytes allows
+    kept = [it for it in items if (span is None or prompt_chars(it) <= limit * span) and len(encode(it)[0]) <= limit]
     if len(kept) < len(items):
         logger.warning("skipped %d of %d prompts longer than data.max_prompt_tokens=%d", len(items) - len(kept),
                        len(items), limit)
     if not kept:
         raise ConfigError(f"every prompt is longer than data.max_prompt_tokens={limit}; raise it")
     return kept
+
+
+def longest_token(tokenizer: Any) -> Optional[int]:
+    """The most characters one token of `tokenizer` stands for (its vocabulary's longest entry); None unknown."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - no tokenizer, or one without a vocabulary to read: no shortcut
+        return None
+    return max((len(str(k)) for k in vocab), default=None) or None
+
+
+def prompt_chars(item: dict) -> int:
+    """Characters of an item's prompt text (a prompt, or its messages' contents); 0 for token ids."""
+    if "input_ids" in item:
+        return 0
+    if isinstance(item.get("prompt"), str):
+        return len(item["prompt"])
+    msgs = item.get("messages")
+    return sum(len(m.get("content") or "") if isinstance(m, dict) and isinstance(m.get("content"), str) else 0
+               for m in msgs) if isinstance(msgs, list) else 0
 
 
 def weights_ready(cfg: RunConfig) -> None:

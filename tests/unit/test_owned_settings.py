@@ -55,3 +55,51 @@ def test_the_server_refuses_an_absurd_card_and_seed_in_one_line(tmp_path):
         r = subprocess.run([sys.executable, "-m", "mega_async.cli", "serve", *args, "--port", "1"], capture_output=True,
                            text=True, timeout=120, cwd=ROOT)
         assert r.returncode != 0 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override,said", [
+    ("trainer.sync_master_address=999.1.1.1", "is not an IP address or a host name"),
+    ("trainer.sync_master_address=bad_host!", "is not an IP address or a host name"),
+    ("trainer.sync_timeout=1e-9", "trainer.sync_timeout=1e-09 is below 1 s"),
+])
+def test_a_trainer_side_sync_setting_that_cannot_work_is_refused(override, said):
+    with pytest.raises(ConfigError, match=said):
+        load_config("configs/tiny_cpu.yaml", [override])
+
+
+def test_sync_master_addresses_that_can_work_pass():
+    for host in ("127.0.0.1", "::1", "node-3.cluster.local", "localhost"):
+        assert load_config("configs/tiny_cpu.yaml", [f"trainer.sync_master_address={host}"]).trainer.sync_master_address
+
+
+def test_an_unresolvable_master_address_is_refused_before_anything_starts():
+    from mega_async.run.tasks import check_inputs
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["trainer.sync_master_address=no-such-host.invalid"])
+    with pytest.raises(ConfigError, match="does not resolve on this host"):
+        check_inputs(cfg)
+
+
+def test_a_prompt_longer_than_any_token_budget_is_dropped_without_tokenizing():
+    """A row of many MB (data.max_row_bytes raised) is dropped by its length against data.max_prompt_tokens times
+    the tokenizer's longest token, never handed to the tokenizer (which took gigabytes and aborted on 300 MB)."""
+    from mega_async.run.tasks import longest_token, within_prompt_budget
+
+    class Tok:
+        def get_vocab(self):
+            return {"a": 0, "abcd": 1, "<|x|>": 2}
+
+        def __call__(self, text, add_special_tokens=False):
+            assert len(text) < 10_000, "a huge prompt reached the tokenizer"
+            return {"input_ids": [1] * ((len(text) + 3) // 4)}
+
+    class Workflow:
+        tokenizer = Tok()
+
+        def encode(self, it):
+            return self.tokenizer(it["prompt"])["input_ids"], it["prompt"]
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["data.max_prompt_tokens=16"])
+    assert longest_token(Tok()) == 5
+    items = [{"prompt": "x" * 40}, {"prompt": "y" * 50_000_000}, {"messages": [{"role": "user", "content": "z" * 10 ** 6}]}]
+    assert within_prompt_budget(items, Workflow(), cfg) == items[:1]
