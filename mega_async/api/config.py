@@ -336,6 +336,7 @@ class TrainerConfig:
     # step_<S>, S the 0-based step just done as in metrics.jsonl; all kept: the tiny card's are ~1 MB), to score
     # offline, e.g. held-out accuracy against wall clock (tools/bench_paper.py); 0 = off
     hf_snapshot_interval: int = 0
+    hf_snapshot_keep: int = 0  # the newest HF snapshots kept (older ones removed after each new one); 0 = all
     # never: start fresh (refused when the run directory already holds a run) | auto: continue from the newest
     # complete checkpoint if there is one, else start fresh | require: continue, refused without a checkpoint
     # (`mega-async train --resume`)
@@ -398,6 +399,10 @@ class TrainerConfig:
         _positive("trainer.save_interval", self.save_interval, allow_zero=True)
         _positive("trainer.keep_checkpoints", self.keep_checkpoints)
         _positive("trainer.hf_snapshot_interval", self.hf_snapshot_interval, allow_zero=True)
+        _positive("trainer.hf_snapshot_keep", self.hf_snapshot_keep, allow_zero=True)
+        if self.hf_snapshot_keep and not self.hf_snapshot_interval:
+            raise ConfigError("trainer.hf_snapshot_keep limits HF snapshots, which trainer.hf_snapshot_interval=0 "
+                              "turns off: set an interval, or leave hf_snapshot_keep out")
         _choice("trainer.resume", str(self.resume), ("never", "auto", "require"))
         for key in self.resume_override:
             _choice("trainer.resume_override", key, RESUME_OVERRIDES)

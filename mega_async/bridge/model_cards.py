@@ -272,7 +272,7 @@ class _RawConfig:
         return None
 
 
-def _card(card: Any) -> Any:
+def read_card(card: Any) -> Any:
     if isinstance(card, (str, os.PathLike)):
         try:
             with open(Path(card) / "config.json") as f:
@@ -324,7 +324,7 @@ def check_fits_memory(card: Any, where: str, *, dtype_bytes: int, dense_shards: 
     experts `expert_shards` ways), need more than `memory` bytes (default: `available_memory()`), before anything
     is allocated. A config this cannot count (fields missing or not numbers) passes: transformers says what is
     wrong with it. Returns the count."""
-    c = _card(card)
+    c = read_card(card)
     try:
         p = count_params(c)
         need = (p.dense // max(1, dense_shards) + p.expert // max(1, expert_shards)) * dtype_bytes

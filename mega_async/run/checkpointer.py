@@ -11,7 +11,8 @@ from typing import Any, Callable, Optional
 
 from mega_async.api.config import RunConfig
 from mega_async.api.config_load import save_config
-from mega_async.utils.comm import any_rank
+from mega_async.utils.comm import any_rank, from_rank0
+from mega_async.utils.diskspace import free_bytes
 
 logger = logging.getLogger("mega_async.run.loop")
 
@@ -91,11 +92,47 @@ class Checkpointer:
         """The weights after `step` as an HF directory, `<run_dir>/hf_snapshots/step_<step>` (every rank takes part;
         written whole or not at all, so a resumed run's repeat of the step replaces it)."""
         from mega_async.trainer.weights import save_hf_checkpoint
+        from mega_async.utils.diskspace import DiskFull, human, out_of_space
 
         t0 = time.monotonic()
         out = self.cfg.run_dir / "hf_snapshots" / f"step_{step}"
-        save_hf_checkpoint(self.engine.models, out, src_dir=self.cfg.model.path, legacy=True)
+        short = from_rank0(self._snapshot_short(out) if self._rank0 else None, self.group)
+        if short is not None:  # skipped with a line, as every rank agrees: the run (and its checkpoints) go on
+            logger.warning("HF snapshot %s skipped: %s", out.name, short)
+            return
+        try:
+            save_hf_checkpoint(self.engine.models, out, src_dir=self.cfg.model.path, legacy=True)
+        except Exception as e:
+            if not out_of_space(e):
+                raise
+            raise DiskFull(f"HF snapshot {out} not written: no space left on device in {out.parent} "
+                           f"({human(free_bytes(out.parent))} free); free space there, lower "
+                           "trainer.hf_snapshot_keep, or set trainer.hf_snapshot_interval=0", out.parent) from None
         logger.info("HF snapshot %s (%.2fs)", out, time.monotonic() - t0)
+        if self._rank0 and self.cfg.trainer.hf_snapshot_keep:
+            prune_snapshots(out.parent, self.cfg.trainer.hf_snapshot_keep)
+
+    @property
+    def _rank0(self) -> bool:
+        import torch.distributed as dist
+
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+    def _snapshot_short(self, out: Path) -> Optional[str]:
+        """Rank 0: why an HF snapshot cannot fit (its size from the model card, against the free space), or None."""
+        from mega_async.bridge.model_cards import read_card, count_params
+        from mega_async.utils.diskspace import human
+
+        try:
+            need = count_params(read_card(self.cfg.model.path)).total * SNAPSHOT_DTYPE_BYTES[self.cfg.model.dtype]
+        except Exception:  # noqa: BLE001 - a card the count does not know: no pre-check (the write still says)
+            return None
+        free = free_bytes(out.parent)
+        old = out if out.exists() else None  # a resumed run's repeat of the step replaces its own snapshot
+        if free is None or free + (dir_bytes(old) if old else 0) >= need * 1.05 + (16 << 20):
+            return None
+        return (f"it needs about {human(need)} and {human(free)} is free in {out.parent}; free space there, set "
+                "trainer.hf_snapshot_keep, or trainer.hf_snapshot_interval=0")
 
     def export_final(self) -> None:
         """The run's final weights as an HF directory: `<run_dir>/final_hf` (every rank takes part)."""
@@ -118,3 +155,27 @@ class Checkpointer:
                                extra={**sizes, **run_record(self.cfg)})
         logger.info("checkpoint %s (%.1fs)", path, time.monotonic() - t0)
         return path
+
+
+SNAPSHOT_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def dir_bytes(d: Path) -> int:
+    return sum(p.stat().st_size for p in d.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def prune_snapshots(folder: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` snapshots `step_<S>` of `folder` (only folders an HF export marked);
+    returns those removed."""
+    import re
+    import shutil
+
+    from mega_async.utils.outputs import marked
+
+    steps = sorted((int(m[1]), p) for p in folder.iterdir()
+                   if (m := re.fullmatch(r"step_(\d+)", p.name)) and p.is_dir() and not p.is_symlink()
+                   and marked(p) == "hf")
+    gone = [p for _, p in steps[:-keep]] if keep else []
+    for p in gone:
+        shutil.rmtree(p, ignore_errors=True)
+    return gone

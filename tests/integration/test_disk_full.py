@@ -157,3 +157,29 @@ def test_the_run_lock_on_a_full_or_read_only_disk_is_one_line_and_leaves_nothing
         with pytest.raises(RunDirLockError, match=r"Read-only file system.*choose a writable logging.root_dir") as e:
             RunDirLock.acquire(d)
         assert "\n" not in str(e.value)
+
+
+def test_an_hf_snapshot_that_cannot_fit_is_skipped_with_a_line_and_old_ones_are_pruned(small_fs, tmp_path, caplog):
+    """Before an HF snapshot, its size from the model card against the free space: one that cannot fit is skipped
+    with a warning naming what it needs (the run and its checkpoints go on; before, safetensors' `No space left on
+    device (os error 28)` ended the run); trainer.hf_snapshot_keep keeps the newest."""
+    from mega_async.api.config_load import load_config
+    from mega_async.run.checkpointer import Checkpointer, prune_snapshots
+    from mega_async.utils.outputs import mark
+
+    fs = small_fs("1m")  # the tiny card's fp32 snapshot needs about 1.5 MB
+    cfg = load_config("configs/tiny_cpu.yaml", [f"logging.root_dir={fs}", "trainer.hf_snapshot_interval=1",
+                                                "trainer.hf_snapshot_keep=2"])
+    (cfg.run_dir / "hf_snapshots").mkdir(parents=True)
+    ck = Checkpointer(cfg)
+    with caplog.at_level(logging.WARNING, logger="mega_async"):
+        ck._snapshot(3)  # skipped before any write: no engine is even needed
+    assert any("HF snapshot step_3 skipped: it needs about" in r.getMessage() and "free space there" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert list((cfg.run_dir / "hf_snapshots").iterdir()) == []
+    snaps = tmp_path / "snaps"
+    for s in (0, 1, 2, 10):
+        mark((snaps / f"step_{s}").mkdir(parents=True) or snaps / f"step_{s}", "hf")
+    (snaps / "step_5").mkdir()  # not an export: left alone
+    assert sorted(p.name for p in prune_snapshots(snaps, 2)) == ["step_0", "step_1"]
+    assert sorted(p.name for p in snaps.iterdir()) == ["step_10", "step_2", "step_5"]

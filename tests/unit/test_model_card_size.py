@@ -16,7 +16,7 @@ ABSURD = [{"num_hidden_layers": 10**6}, {"num_hidden_layers": 10**15}, {"hidden_
           {"vocab_size": 10**12}, {"num_experts": 10**9, "num_local_experts": 10**9}]
 
 
-def _card(tmp_path: Path, base: Path = TINY_MOE, **fields) -> Path:
+def read_card(tmp_path: Path, base: Path = TINY_MOE, **fields) -> Path:
     out = tmp_path / "card"
     shutil.copytree(base, out, ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((out / "config.json").read_text())
@@ -42,7 +42,7 @@ def test_an_absurd_card_is_refused_by_every_loader_before_it_allocates(tmp_path,
     from mega_async.server.weights import load_pretrained
     from mega_async.trainer.model import build_model
 
-    card = _card(tmp_path, **fields)
+    card = read_card(tmp_path, **fields)
     named = ", ".join(f"{k}={v}" for k, v in fields.items() if k != "num_local_experts")
     msg = _refusal(lambda: init_random_weights(card), card, named, "in float32 for its random init")
     assert not list(card.glob("*.safetensors"))
@@ -79,7 +79,7 @@ def test_a_run_on_an_absurd_card_is_refused_at_start_up_in_one_line(tmp_path, ca
     rank's share of a card that has weights."""
     from mega_async.cli import main
 
-    card = _card(tmp_path, num_hidden_layers=10**6)
+    card = read_card(tmp_path, num_hidden_layers=10**6)
     if weights:
         (card / "model.safetensors").write_bytes(b"")
     rc = main(["train", "-c", str(Path(__file__).resolve().parents[2] / "configs" / "tiny_cpu.yaml"),
