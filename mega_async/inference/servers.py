@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mega_async.utils.comm import PORT_ATTEMPTS, free_port, lost_the_port, output_since, port_free
+from mega_async.utils.comm import PORT_ATTEMPTS, free_port, listens, lost_the_port, output_since, port_free
 from mega_async.inference.sglang import cpu as sglang_cpu
 from mega_async.inference.sglang.cpu import engine_python
 
@@ -293,6 +293,7 @@ class ServerLauncher:
     def _wait_healthy(self, i: int) -> None:
         deadline = time.monotonic() + self.startup_timeout
         url = f"http://{self.addresses[i]}/health"
+        warned = False
         while time.monotonic() < deadline:
             rc = self.procs[i].poll()
             if rc is not None:
@@ -301,10 +302,18 @@ class ServerLauncher:
                             f"last log lines ({self._logs[i]}):\n{self.log_tail(i)}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
-                        return
+                    ok = r.status == 200
             except (urllib.error.URLError, ConnectionError, OSError):
-                pass
+                ok = False
+            # whatever answers must be our own process (or its children): another one that bound the port between
+            # free_port() and our bind would get the trainer's weight-update address; ours then fails to bind and
+            # is started again at another port (_PortTaken)
+            if ok and listens(int(self.addresses[i].rsplit(":", 1)[1]), self.procs[i].pid) is not False:
+                return
+            if ok and not warned:
+                warned = True
+                logger.warning("server %d: another process answers at %s; waiting for our own server to take it or "
+                               "to be started again at another port", i, self.addresses[i])
             time.sleep(0.2)
         raise TimeoutError(f"server {i} not healthy after {self.startup_timeout:.0f}s; log: {self._logs[i]}\n{self.log_tail(i)}")
 

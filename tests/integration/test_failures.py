@@ -120,6 +120,42 @@ def test_a_server_whose_port_is_taken_before_it_binds_is_started_at_another(weig
             s.close()
 
 
+@pytest.mark.slow  # starts a server twice
+def test_a_process_answering_at_the_servers_port_is_not_taken_for_it(weights_root, tmp_path, monkeypatch, caplog):
+    """Another process binds the port between free_port() and the server's bind, and answers /health: the launcher
+    asks the kernel who listens (comm.listens), waits for its own server, which loses the port and is started at
+    another; the squatter never becomes the run's server (before: it got /server_info and the trainer's
+    weight-update address, and the run made no progress)."""
+    import mega_async.inference.servers as servers
+    from aiohttp import web
+
+    from tests.unit.thread_server import ThreadServer
+
+    seen = []
+
+    async def anything(request):
+        seen.append(request.path)
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", anything)
+    squatter = ThreadServer(app)
+    real = servers.free_port
+    given = iter([int(squatter.address.rsplit(":", 1)[1])])
+    monkeypatch.setattr(servers, "free_port", lambda host="127.0.0.1": next(given, None) or real(host))
+    spec = ServerSpec("embedded", str(weights_root / "v0"), weights_root=str(weights_root), num_threads=1)
+    try:
+        with caplog.at_level(logging.WARNING, "mega_async"):
+            with ServerLauncher(spec, log_dir=str(tmp_path), startup_timeout=120) as launcher:
+                assert launcher.addresses[0] != squatter.address
+                with urllib.request.urlopen(f"http://{launcher.addresses[0]}/model_info", timeout=10) as r:
+                    assert r.status == 200  # the embedded server itself
+        assert set(seen) <= {"/health"}, seen
+        assert any("another process answers at" in r.getMessage() for r in caplog.records)
+    finally:
+        squatter.close()
+
+
 def test_a_server_that_loses_every_port_fails_with_its_log(weights_root, tmp_path, monkeypatch):
     import mega_async.inference.servers as servers
 
