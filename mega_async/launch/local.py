@@ -4,7 +4,9 @@ under torchrun or srun (many hosts) every rank runs the same command unchanged.
 A failure on any rank stops all ranks (torchrun stops the others; servers die with rank 0) and the
 command exits non-zero with the first failing rank's error in one line ("trainer rank 1 was killed by
 SIGKILL" when a signal ended it). Whatever ends the command ends its whole tree within about a second:
-torchrun has a parent-death signal and every rank watches the command (mega_async.utils.lifeline).
+torchrun has a parent-death signal and every rank watches the command (mega_async.utils.lifeline). A rank stopped
+(SIGSTOP, a frozen cgroup) for RANK_STOPPED_S ends the run with a line naming it, instead of its peers waiting in a
+collective for torch's 30-minute timeout without a word.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -87,7 +90,11 @@ def launch_local(nproc: int, argv: Sequence[str], run_lock: Any = None,
     previous_usr1 = signal.signal(PREEMPT_SIGNAL, lambda signum, frame: forward_to_ranks(proc.pid, signum))
     try:
         try:
-            rc = proc.wait()
+            rc = _wait_watching(proc)
+        except RankStopped as e:
+            _stop(proc, grace=10.0)
+            _say(f"mega-async train: {e}; every rank and server was stopped{resume_hint()}")
+            return 1
         except KeyboardInterrupt as e:
             _stop(proc)
             if isinstance(e, LauncherSignal):
@@ -138,6 +145,36 @@ class PreemptFlag:
 def _interrupt(signum: int, frame: Any) -> None:
     if not _redelivered_from_finalizer(signum, frame):
         raise LauncherSignal(signum)  # a SIGTERM/SIGHUP to this command stops the ranks as Ctrl-C does
+
+
+RANK_STOPPED_S = 30.0  # a trainer rank stopped (state T) this long holds every other rank in a collective: the run ends
+
+
+class RankStopped(RuntimeError):
+    """A trainer rank is stopped (SIGSTOP or frozen) and every other rank waits for it."""
+
+
+def _wait_watching(proc: subprocess.Popen, stopped_for: float = RANK_STOPPED_S) -> int:
+    """proc.wait(), and meanwhile: a trainer rank that stays stopped `stopped_for` seconds (its peers would wait in
+    a collective for torch's 30-minute timeout, saying nothing) raises RankStopped naming it (it is continued first,
+    so the stop that follows can end it)."""
+    since: dict[int, float] = {}
+    while True:
+        try:
+            return proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        stopped = dict((pid, rank) for rank, pid in lifeline.stopped_ranks(proc.pid))
+        since = {pid: since.get(pid, now) for pid in stopped}
+        late = sorted((stopped[pid], pid, now - t0) for pid, t0 in since.items() if now - t0 >= stopped_for)
+        if late:
+            for _, pid, _ in late:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+            rank, pid, waited = late[0]
+            raise RankStopped(f"trainer rank {rank} (pid {pid}) has been stopped (SIGSTOP or frozen) for "
+                              f"{waited:.0f} s while the other ranks wait for it; find what stopped it")
 
 
 def _stop(proc: subprocess.Popen, grace: float = 60.0) -> None:

@@ -87,6 +87,41 @@ def _start_time(pid: int) -> Optional[int]:
     return stat[1] if stat else None
 
 
+def stopped_ranks(root: int) -> list[tuple[int, int]]:
+    """The trainer ranks under process `root` (processes with RANK in their environment) that are stopped (state T:
+    SIGSTOP, a debugger, a frozen cgroup), as (rank, pid); [] where /proc cannot tell."""
+    children: dict[int, list[int]] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                raw = f.read().decode(errors="replace")
+            children.setdefault(int(raw[raw.rindex(")") + 2:].split()[1]), []).append(pid)
+        except (OSError, ValueError, IndexError):
+            continue
+    out, todo, seen = [], list(children.get(root, [])), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo.extend(children.get(pid, []))
+        stat = _stat(pid)
+        if stat is None or stat[0] not in ("T", "t"):
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        if b"RANK" in env and env[b"RANK"].isdigit():
+            out.append((int(env[b"RANK"]), pid))
+    return sorted(out)
+
+
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
     """PR_SET_PDEATHSIG for this process: `sig` when the thread that forked it ends (Linux; False elsewhere)."""
     if not sys.platform.startswith("linux"):

@@ -2,6 +2,7 @@
 a process is known by pid and start time; a watcher ends its whole tree once what it watches is gone; a child
 started with `child_preexec` dies with its parent; Megatron's checkpoint-writer manager (and multiprocessing's
 resource tracker with it) ends with the process that saved, under kill -9 too."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from mega_async.utils.lifeline import ProcessRef
 
@@ -130,3 +132,38 @@ def test_megatrons_checkpoint_writer_ends_with_a_killed_driver():
     driver.wait()
     took = _gone(kids, 10)
     assert took < 3, took
+
+
+def test_a_stopped_trainer_rank_is_named_and_ends_the_wait():
+    """A rank stopped by SIGSTOP holds its peers in a collective for torch's 30-minute timeout, silently: the
+    launcher's wait finds it (state T, RANK in its environment), continues it and raises naming it."""
+    import signal as _signal
+    import subprocess as _sp
+    import sys as _sys
+
+    from mega_async.launch.local import RankStopped, _wait_watching
+    from mega_async.utils.lifeline import stopped_ranks
+
+    code = ("import os, subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], env={**os.environ, "
+            "'RANK': str(r)}) for r in (0, 1)]\n"
+            "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+            "time.sleep(60)\n")
+    parent = _sp.Popen([_sys.executable, "-c", code], stdout=_sp.PIPE, text=True)
+    try:
+        kids = [int(x) for x in parent.stdout.readline().split()]
+        os.kill(kids[1], _signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while stopped_ranks(parent.pid) != [(1, kids[1])] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stopped_ranks(parent.pid) == [(1, kids[1])]
+        t0 = time.monotonic()
+        with pytest.raises(RankStopped, match=rf"trainer rank 1 \(pid {kids[1]}\) has been stopped"):
+            _wait_watching(parent, stopped_for=1.0)
+        assert time.monotonic() - t0 < 10
+        assert stopped_ranks(parent.pid) == []  # continued, so the stop that follows can end it
+    finally:
+        for pid in [parent.pid, *kids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, _signal.SIGKILL)
+        parent.wait()
