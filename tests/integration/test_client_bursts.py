@@ -93,3 +93,34 @@ def test_a_router_busy_past_the_bound_is_gone_around(backend, caplog):
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:
         router.close()
+
+
+@pytest.mark.slow  # waits out the watchdog's quiet time
+def test_a_hung_router_is_found_and_gone_around(backend, caplog):
+    """A router that stops answering anything (a SIGSTOPped smg still accepts connections) is found by its watchdog
+    (no /generate answer for a while, then no /health answer within 2 s): generation goes straight to the server,
+    naming the router, long before request_timeout (before: every request waited request_timeout; nothing but
+    generation talked to the router)."""
+    held = set()
+
+    async def hang(request):
+        held.add(asyncio.current_task())
+        await asyncio.sleep(3600)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", hang)
+    router = ThreadServer(app)
+    try:
+        client = SGLangClient([backend.address], router=router.address, request_timeout=60, retry_backoff=0.05,
+                              health_check_interval=0.2)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="mega_async.inference.client"):
+            got = generate(client, 8)
+        assert [len(r.output_tokens) for r in got] == [4] * 8
+        assert time.monotonic() - t0 < 20
+        assert client.router_stats() == {"answers": 0, "around": 8}
+        assert any(f"router http://{router.address} failed (/health: no answer within 2s" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        router._loop.call_soon_threadsafe(lambda: [task.cancel() for task in held])  # the hung handlers end
+        router.close()

@@ -220,6 +220,8 @@ class Generation(ServerPool):
         while True:
             payload["rid"] = first_rid if attempt == 0 else f"{first_rid}-r{attempt}"
             s, sent, error, status, body = await self._attempt(rid, payload)
+            if error is None:
+                s.last_answer = time.monotonic()
             kind = outcome(error, status)
             attempt += kind not in ("ok", "refused")
             now = time.monotonic()

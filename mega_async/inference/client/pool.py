@@ -19,6 +19,10 @@ from mega_async.inference.client.transport import (NoHealthyServerError, ServerE
 logger = logging.getLogger("mega_async.inference.client")
 
 
+ROUTER_QUIET_S = 5.0  # the router gave no /generate answer this long: its /health is asked ...
+ROUTER_PROBE_S = 2.0  # ... and must answer within this, else it is hung and gone around
+
+
 class ServerPool(Transport):
     """Every server's state and the choice among them. The rules: a server that gives no answer is silent (out of
     generation and of clean-up calls until it answers); one answering 5xx is out until it answers again; one at
@@ -54,6 +58,7 @@ class ServerPool(Transport):
         self.recover: Any = None
         self._tasks: set = set()
         self._cut_lock = threading.Lock()  # guards every server's `generating` and `cut` (touched from two threads)
+        self._router_watch: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}  # per loop: the router's watchdog
         self._rebuild_load()
 
     @property
@@ -451,7 +456,39 @@ class ServerPool(Transport):
         if self._router_bypassed is not None:
             logger.info("every server serves again: generation goes through router %s", r.address)
             self._router_bypassed = None
+        self._watch_router()
         return r
+
+    def _watch_router(self) -> None:
+        """One watchdog per event loop while generation goes through the router: nothing but generation talks to
+        it, so a router that hangs (a stopped process keeps accepting connections) would hold every request for
+        `request_timeout`."""
+        loop = asyncio.get_running_loop()
+        task = self._router_watch.get(loop)
+        if task is None or task.done():
+            for other in [x for x in self._router_watch if x.is_closed()]:
+                del self._router_watch[other]
+            self._router_watch[loop] = loop.create_task(self._router_watchdog())
+
+    async def _router_watchdog(self) -> None:
+        """While requests wait on the router: once it has given no /generate answer for ROUTER_QUIET_S, its /health
+        must answer within ROUTER_PROBE_S, else it is hung: gone around (named in one line) and its requests cut, to
+        go to the servers with their tokens so far."""
+        r = self.router
+        quiet = max(ROUTER_QUIET_S, 5 * self.health_check_interval)
+        start = time.monotonic()
+        while r is not None and r.healthy and r.in_flight > 0:
+            await asyncio.sleep(self.health_check_interval)
+            if time.monotonic() - max(r.last_answer, start) < quiet:
+                continue
+            try:
+                await self._request("GET", r, "/health", timeout=ROUTER_PROBE_S)
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                if r.healthy:
+                    self._router_down(f"/health: {_why(e)} while {r.in_flight} requests waited on it")
+                    self._cut_generation(r)
+                return
+            start = time.monotonic()
 
     def router_stats(self) -> Optional[dict[str, int]]:
         """With a router: the /generate answers so far that came through it and that went around it (a server out,

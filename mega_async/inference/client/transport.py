@@ -160,6 +160,7 @@ class _Server:
     last_failure: float = -1e9
     wedged: bool = False  # out after 5xx answers while its /model_info answered: back once a /generate answers
     out_until: float = 0.0  # the router: gone around (busy for too long) until then, /health or not (monotonic)
+    last_answer: float = 0.0  # when its last /generate answer came (monotonic; the router's watchdog reads it)
 
 
 
