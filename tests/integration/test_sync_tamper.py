@@ -88,3 +88,18 @@ def test_a_spoiled_sync_is_caught_within_seconds(model, tmp_path, servers, sync,
         assert nxt["served"] == [str(nxt["version"])] * servers, (case, nxt)
         if method == "probe":  # the probe selected every expert of every layer
             assert nxt["stats"]["sync/verify_uncovered"] == 0.0, nxt
+
+
+@pytest.mark.slow  # a whole 3-step run
+def test_steps_that_leave_the_weights_unchanged_pass_the_checksum_verify(tmp_path):
+    """algorithm.reward_scale=0: every advantage is zero and no step changes the weights. The trainer's digest
+    judges each server (it holds exactly the trainer's weights), so "did not change with the sync" is never said
+    of a healthy server (before: the run ended at the sync to version 2)."""
+    import subprocess
+
+    from tests.commands import ROOT, train_command
+
+    r = subprocess.run(train_command("tiny_cpu", tmp_path, "trainer.total_steps=3", "trainer.verify_sync_method=checksum",
+                                     "algorithm.reward_scale=0"), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "did not change" not in r.stderr

@@ -34,11 +34,13 @@ class Verification:
         if method == "auto":
             method = from_rank0(self._auto_method() if self.rollout is not None else None, self.group)
         if method == "checksum":
-            verdict = from_rank0(self._verify_checksums(expect_change) if self.rollout is not None else None,
-                                 self.group)
+            verdict = from_rank0(self._verify_checksums() if self.rollout is not None else None, self.group)
             # the trainer's digest first: it names the server and the tensors, where "unchanged" or "servers
             # disagree" does not say which tensors (or, between two servers, which of them is wrong)
             verdict = self._against_trainer() or verdict
+            if verdict is None and expect_change:  # a server the digest judged equal to the trainer is right even
+                # if a step left the weights as they were (zero advantages); only the others must have changed
+                verdict = from_rank0(self._unchanged_verdict() if self.rollout is not None else None, self.group)
             if verdict is not None:
                 raise SyncError(f"verify_sync: {verdict}")
             return 0.0
@@ -73,11 +75,12 @@ class Verification:
             return "probe"
         return "probe" if all(r.embedded for r in releases if r is not None) else "checksum"
 
-    def _verify_checksums(self, expect_change: bool) -> Optional[str]:
-        """Rank 0: None when every server's weights changed with this sync and alike servers agree."""
+    def _verify_checksums(self) -> Optional[str]:
+        """Rank 0: None when every server reports this sync's version and alike servers agree; the servers whose
+        checksum did not change since the last verify are kept for `_unchanged_verdict`."""
         client = self.rollout.client
         addresses = self._verified()
-        self._replies = []
+        self._replies, self._unchanged, self._digested = [], [], set()
         if addresses == []:
             return "no server of this sync is up to be verified"
         try:
@@ -97,15 +100,23 @@ class Verification:
             checksum = reply.get("per_engine_checksum") if isinstance(reply, dict) else None
             if not isinstance(checksum, str):
                 return f"server {address}'s /weights_checker gave no per_engine_checksum: {reply!r}"[:300]
-            if expect_change and self._checksums.get(address) == checksum:
-                return (f"server {address}'s weights did not change with the sync to version {self.version.value} "
-                        f"(checksum {checksum[:16]})")
+            if self._checksums.get(address) == checksum:
+                self._unchanged.append((address, checksum))
             layouts.setdefault(_layout_key(reply), []).append((address, checksum))
         for same in layouts.values():
             if len({c for _, c in same}) > 1:
                 return ("servers of one layout serve different weights at version "
                         f"{self.version.value}: " + ", ".join(f"{a} {c[:16]}" for a, c in same))
         self._checksums = {a: c for same in layouts.values() for a, c in same}
+        return None
+
+    def _unchanged_verdict(self) -> Optional[str]:
+        """Rank 0: a server whose checksum did not change with this sync, and that the trainer's digest did not find
+        equal to the trainer's weights (its checksums could not be rebuilt), may have missed the sync."""
+        for address, checksum in getattr(self, "_unchanged", []):
+            if address not in getattr(self, "_digested", set()):
+                return (f"server {address}'s weights did not change with the sync to version {self.version.value} "
+                        f"(checksum {checksum[:16]}) and cannot be compared with the trainer's digest")
         return None
 
     def _against_trainer(self) -> Optional[str]:
@@ -122,6 +133,8 @@ class Verification:
                 if plan is not None:
                     plan.add(name, t)
             verdict = plan.verdict(self.version.value) if plan is not None else None
+            if plan is not None and verdict is None:
+                self._digested = {a for a, _ in plan.servers}  # each holds exactly the trainer's weights
         except Exception as e:  # noqa: BLE001 - only rank 0 computes; the verdict is shared below
             verdict = f"computing the trainer's digest failed: {type(e).__name__}: {e}"
         return from_rank0(verdict, self.group)
