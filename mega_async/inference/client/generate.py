@@ -294,12 +294,14 @@ class Generation(ServerPool):
                 self._router_down(_why(error))
             else:
                 self._mark_unhealthy(s, _why(error), silent=True)
-        elif step.action == "take_out" and kind == "busy":
+        elif step.action == "take_out" and kind == "busy" and s.healthy:
             self._mark_unhealthy(s, f"/generate answered {status} {s.busy} times in a row and /model_info fails too")
             s.busy = 0
         elif step.action == "router_down" and kind == "busy":
             self._router_down(f"/generate answered {status} (busy: {_error_message(body)[:120]}) for {busy_for:.0f} s")
             s.out_until, s.busy = time.monotonic() + ROUTER_HOLD_S, 0
+        elif step.action in ("take_out", "wedged") and not s.healthy:
+            pass  # another request's answer took it out meanwhile (while this one asked /model_info): said once
         elif step.action in ("take_out", "wedged", "router_down"):
             why = f"/generate answered {status} {s.failures} times in a row: {_error_message(body)[:200]}"
             if step.action == "router_down":

@@ -129,6 +129,14 @@ class ServerPool(Transport):
             await self._readmit(s)
         return s.healthy
 
+    async def _probe_all(self, servers: list[_Server]) -> None:
+        """Probe `servers` together; each is marked probed now, so the requests choosing a server at this moment do
+        not probe it once each (a wedged server's probe is a /generate)."""
+        now = time.monotonic()
+        for s in servers:
+            s.last_probe = now
+        await asyncio.gather(*(self._probe(s) for s in servers))
+
     async def _readmit(self, s: _Server) -> None:
         """A server answering /health again generates only with the weights the last sync set: a restarted
         process has its launch weights and one that was down during a sync missed it. Behind, it is kept out
@@ -401,7 +409,7 @@ class ServerPool(Transport):
                 stale = [self.servers[i] for i in list(self._suspects) if 0 <= i < len(self.servers)
                          and now - self.servers[i].last_probe >= self.health_check_interval]
                 if stale:
-                    await asyncio.gather(*(self._probe(s) for s in stale))
+                    await self._probe_all(stale)
             s = self._sticky.get(rid) if rid else None
             if s is not None and s.healthy:
                 return s
@@ -415,7 +423,7 @@ class ServerPool(Transport):
             stale = [s for s in self.servers  # none usable: probe every server that is not dropped
                      if not s.healthy and not s.dropped and now - s.last_probe >= self.health_check_interval]
             if stale:
-                await asyncio.gather(*(self._probe(s) for s in stale))
+                await self._probe_all(stale)
                 if any(s.healthy for s in stale):
                     continue
             if time.monotonic() >= deadline:
