@@ -342,3 +342,26 @@ def check_fits_memory(card: Any, where: str, *, dtype_bytes: int, dense_shards: 
                             f"{_size(need, 'B')}{share} {what or f'at {dtype_bytes} bytes each'}, but "
                             f"{_size(have, 'B')} of memory is available here; check the card's sizes")
     return p
+
+
+DTYPES = ("float32", "bfloat16", "float16")  # dtypes a converted checkpoint may hold (convert --dtype)
+
+
+def source_dtype(hf_dir: Path) -> str:
+    """The dtype an HF directory's config.json names (`dtype`, or the older `torch_dtype`), else float32."""
+    try:
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "float32"
+    name = str(config.get("dtype") or config.get("torch_dtype") or "float32") if isinstance(config, dict) else ""
+    return name if name in DTYPES else "float32"
+
+
+def set_config_dtype(hf_dir: Path, name: str) -> None:
+    """config.json says `name` (under the key it uses; `torch_dtype`, which every reader knows, when it has none)."""
+    path = Path(hf_dir) / "config.json"
+    config = json.loads(path.read_text())
+    keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["torch_dtype"]
+    if any(config.get(k) != name for k in keys):
+        config.update({k: name for k in keys})
+        path.write_text(json.dumps(config, indent=2) + "\n")

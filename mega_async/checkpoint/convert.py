@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mega_async.checkpoint.format import check_dist_checkpoint, model_sharded_state_dict
-from mega_async.bridge.model_cards import copy_model_files
+from mega_async.bridge.model_cards import DTYPES, copy_model_files, set_config_dtype, source_dtype
 from mega_async.utils.outputs import check_replaceable
 
 logger = logging.getLogger("mega_async.checkpoint.convert")
@@ -61,7 +60,7 @@ def model_tensor_names(names: list[str], models: Any) -> list[str]:
     return [n for n in names if not ((m := beyond.match(n)) and int(m[1]) >= layers) and not n.endswith("_scale_inv")]
 
 
-def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
+def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str, dtype: Optional[str] = None) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     from mega_async.bridge import HFTensors, load_hf_weights
@@ -75,7 +74,10 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     if not list(src.glob("*.safetensors")):
         raise ConvertError(f"{src} has no *.safetensors weights")
     t0 = time.monotonic()
-    models = build_model(src, allocation)
+    import torch
+
+    dtype = dtype or source_dtype(src)
+    models = build_model(src, allocation, dtype=getattr(torch, dtype))
     n = load_hf_weights(models, src, progress=True)
     from mega_async.trainer.weights import partial_dir, swap_in
 
@@ -88,8 +90,10 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
         count = len(model_tensor_names(HFTensors(src).names(), models))
         if _rank() == 0:
             copy_model_files(src, tmp / HF_SUBDIR)
+            set_config_dtype(tmp / HF_SUBDIR, dtype)
             (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,
-                                                "source": str(src.resolve()), "hf_tensors": count}, indent=2))
+                                                "source": str(src.resolve()), "hf_tensors": count, "dtype": dtype},
+                                               indent=2))
             swap_in(tmp, out, "mcore")
     except BaseException:
         if _rank() == 0:
@@ -99,7 +103,8 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str) -> dict[str, Any]:
     return {"tensors": count, "bytes": nbytes, "seconds": time.monotonic() - t0}
 
 
-def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) -> dict[str, Any]:
+def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None,
+                dtype: Optional[str] = None) -> dict[str, Any]:
     """The checkpoint is untrusted: no link or special file in it, its pickled parts read with checkpoint
     classes only, its objects and torch files tensors-only, NaN/inf weights refused (mega_async.utils.safe_load)."""
     from mega_async.trainer.weights import save_hf_checkpoint
@@ -119,12 +124,17 @@ def mcore_to_hf(mcore_dir: str, out_dir: str, allocation: Optional[str] = None) 
     allocation = allocation or "megatron:d1"
     check_dist_checkpoint(src)  # its pickled parts could run code: refuse anything but checkpoint classes
     t0 = time.monotonic()
-    models = build_model(src / HF_SUBDIR, allocation)
+    import torch
+
+    saved = meta.get("dtype") if meta.get("dtype") in DTYPES else source_dtype(src / HF_SUBDIR)
+    dtype = dtype or saved
+    models = build_model(src / HF_SUBDIR, allocation, dtype=getattr(torch, saved))  # loaded as it was saved
     state = dist_load(model_sharded_state_dict(models), src)
     keys = ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
     for k, m in zip(keys, models):
         m.load_state_dict(state[k], strict=False)
-    stats = save_hf_checkpoint(models, out_dir, src_dir=src / HF_SUBDIR, progress=True)
+        m.to(getattr(torch, dtype))
+    stats = save_hf_checkpoint(models, out_dir, src_dir=src / HF_SUBDIR, progress=True, dtype_name=dtype)
     if stats["tensors"] and meta.get("hf_tensors") and stats["tensors"] != meta["hf_tensors"] and _rank() == 0:
         raise ConvertError(f"exported {stats['tensors']} tensors, the source had {meta['hf_tensors']}")
     return {**stats, "seconds": time.monotonic() - t0}
@@ -137,10 +147,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     a.add_argument("--hf", required=True, help="HF model directory")
     a.add_argument("--out", required=True)
     a.add_argument("--allocation", default="megatron:d1", help="trainer layout, e.g. megatron:t2 or megatron:d2t2e2")
+    a.add_argument("--dtype", choices=DTYPES, default=None, help="the checkpoint's dtype (default: the source's)")
     b = sub.add_parser("mcore-to-hf", help="Megatron distributed checkpoint -> HF safetensors (+ config, tokenizer)")
     b.add_argument("--mcore", required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--allocation", default=None, help="layout to load at (default: one rank)")
+    b.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the HF weights' dtype, written to config.json too (default: the checkpoint's)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from mega_async.checkpoint.format import CheckpointError
@@ -148,9 +161,9 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     try:
         if args.direction == "hf-to-mcore":
-            stats = hf_to_mcore(args.hf, args.out, args.allocation)
+            stats = hf_to_mcore(args.hf, args.out, args.allocation, args.dtype)
         else:
-            stats = mcore_to_hf(args.mcore, args.out, args.allocation)
+            stats = mcore_to_hf(args.mcore, args.out, args.allocation, args.dtype)
     except (ConvertError, CheckpointError, AllocationError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"convert: {e}", file=sys.stderr)
         return 2

@@ -335,7 +335,7 @@ def swap_in(tmp: Path, out: Path, kind: str = "hf", legacy: bool = False) -> Non
 
 def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.PathLike, src_dir: Any = None,
                        max_shard_bytes: int = 2 << 30, progress: bool = False,
-                       fp8_block: Any = None, legacy: bool = False) -> dict[str, int]:
+                       fp8_block: Any = None, legacy: bool = False, dtype_name: Any = None) -> dict[str, int]:
     """HF safetensors (+ index, config, tokenizer files from `src_dir`), written by each pipeline stage's
     head for its own layers (a shared filesystem across nodes), into a partial folder of its own
     (`<out>.partial.<random>`), swapped in whole at the end: two exports to one output each finish whole.
@@ -384,6 +384,10 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
             config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
             if fp8.config_for(config, fp8_block) != config:
                 (tmp / "config.json").write_text(json.dumps(fp8.config_for(config, fp8_block), indent=2) + "\n")
+            if dtype_name is not None:  # config.json says what the weights are (`convert --dtype`)
+                from mega_async.bridge.model_cards import set_config_dtype
+
+                set_config_dtype(tmp, dtype_name)
             swap_in(tmp, out, "hf", legacy)
     except BaseException:
         if rank0:  # a failed or interrupted export leaves nothing behind

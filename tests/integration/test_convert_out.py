@@ -61,3 +61,33 @@ def test_an_earlier_conversion_is_replaced_and_the_other_kind_refused(tmp_path, 
     r = convert("mcore-to-hf", "--mcore", str(mc), "--out", str(mc))
     assert r.returncode == 2 and "holds a mega-async 'mcore' export, not a 'hf' one" in r.stderr, r.stderr[-2000:]
     assert (mc / "mega_async_meta.json").exists()
+
+
+@pytest.mark.slow
+def test_the_converter_keeps_the_sources_dtype_and_converts_to_dtype(tmp_path, card):
+    """A bf16 checkpoint stays bf16 both ways (before: fp32 files, twice the size, under a config.json that still
+    said bfloat16); --dtype converts, and config.json says what the weights are."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    bf = tmp_path / "bf"
+    shutil.copytree(card, bf)
+    w = load_file(bf / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, str(bf / "model.safetensors"))
+    cfg = json.loads((bf / "config.json").read_text())
+    (bf / "config.json").write_text(json.dumps({**cfg, "dtype": "bfloat16"}))
+    for args in (["hf-to-mcore", "--hf", str(bf), "--out", str(tmp_path / "mc")],
+                 ["mcore-to-hf", "--mcore", str(tmp_path / "mc"), "--out", str(tmp_path / "hf")],
+                 ["mcore-to-hf", "--mcore", str(tmp_path / "mc"), "--out", str(tmp_path / "hf32"), "--dtype", "float32"]):
+        r = convert(*args)
+        assert r.returncode == 0, r.stderr[-3000:]
+    src = load_file(bf / "model.safetensors")
+    for out, dtype in (("hf", torch.bfloat16), ("hf32", torch.float32)):
+        got = load_file(tmp_path / out / "model.safetensors")
+        assert {v.dtype for v in got.values()} == {dtype}
+        assert got.keys() == src.keys() and all(torch.equal(got[k].to(torch.bfloat16), src[k]) for k in src)
+        assert json.loads((tmp_path / out / "config.json").read_text())["dtype"] == str(dtype)[6:]
+    distcp = sum(p.stat().st_size for p in (tmp_path / "mc").glob("*.distcp"))
+    assert distcp < 1.6 * (bf / "model.safetensors").stat().st_size  # bf16 on disk (fp32 would be over 2x)
