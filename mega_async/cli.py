@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -155,7 +156,9 @@ def _resume_hint(run_dir: Path) -> str:
     from mega_async.checkpoint.format import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
-    return (f"; last checkpoint {last.name}: continue with --resume" if last is not None else
+    how = ("submit the job again with trainer.resume=auto (mega-async launch slurm ... trainer.resume=auto)"
+           if os.environ.get("SLURM_JOB_ID") else "--resume")
+    return (f"; last checkpoint {last.name}: continue with {how}" if last is not None else
             "; no checkpoint was written yet (trainer.save_interval)")
 
 

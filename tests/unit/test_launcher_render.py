@@ -36,7 +36,7 @@ def test_recipes_validate_and_render(capsys, tmp_path, recipe):
     assert rc == 0, err
     bash_ok(script, tmp_path)
     assert f"#SBATCH --nodes={nodes}" in script and f"#SBATCH --gpus-per-node={gpus}" in script
-    assert "#SBATCH --signal=B:USR1@300" in script and "#SBATCH --exclusive" in script
+    assert "#SBATCH --signal=B:USR1@300" in script and "#SBATCH --exclusive" in script and "#SBATCH --mem=0" in script
     servers = re.findall(r"^ma_start (server\d+) .*--nodes=(\d+)", script, re.M)
     assert servers and all(n == "1" for _, n in servers)  # one node each, tp 8
     for line in re.findall(r"sglang\.launch_server .*", script):
@@ -67,6 +67,7 @@ def test_cpu_config_asks_for_no_gpus(capsys, tmp_path):
     assert rc == 0, err
     bash_ok(script, tmp_path)
     assert "--gpus-per-node" not in script and "--gres" not in script and "--exclusive" not in script
+    assert "--mem=0" not in script
     assert "mega_async.server --model" in script and "sglang" not in script.split("set -uo")[1]
     assert "TRAINER_RANKS=1" in script and "--no-requeue" in script
 
@@ -142,3 +143,16 @@ def test_submit_refuses_a_run_directory_a_live_run_holds(tmp_path, capsys):
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_resume_hint_names_what_works_where_the_run_is(tmp_path, monkeypatch):
+    """After a stop the driver says how to continue: --resume by hand, trainer.resume=auto in a Slurm job (whose
+    `mega-async launch slurm` refuses --resume)."""
+    from mega_async.cli import _resume_hint
+
+    (tmp_path / "checkpoints" / "step_3").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_3" / "trainer.json").write_text("{}")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert _resume_hint(tmp_path) == "; last checkpoint step_3: continue with --resume"
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert "trainer.resume=auto" in _resume_hint(tmp_path) and "--resume" not in _resume_hint(tmp_path)

@@ -25,7 +25,8 @@ def sbatch_header(plan: JobPlan, cfg: RunConfig, run_dir: Path, *, partition: Op
          f"--output={run_dir}/logs/slurm-%j.out", f"--signal=B:USR1@{cfg.launch.preempt_signal_s}",
          "--requeue" if requeue else "--no-requeue", "--open-mode=append"]  # append: a requeued run keeps the log
     if plan.gpu:  # CPU-only runs (the embedded backend) ask for no GPUs: no --gres, no exclusive nodes
-        h += [f"--gpus-per-node={plan.gpus_per_node}", "--exclusive"]
+        # --mem=0: all of each node's memory (a site's default per job may be too small to load the checkpoint)
+        h += [f"--gpus-per-node={plan.gpus_per_node}", "--exclusive", "--mem=0"]
     if partition:
         h.append(f"--partition={partition}")
     if time:
