@@ -8,7 +8,7 @@
 #   tools/gpu_check.sh --wheels DIR        # first install the wheels in DIR (no index), e.g. megatron-core
 #   tools/gpu_check.sh --cpu-dry-run       # check the script and its Python on CPU (tiny sizes, no figures)
 #
-# Exit status: 0 when every part that ran passed, 1 otherwise. Per-part logs go to $GPU_CHECK_DIR
+# Exit status: 0 when every part that ran passed, 1 otherwise (also where no GPU is visible, unless --cpu-dry-run). Per-part logs go to $GPU_CHECK_DIR
 # (default /tmp/gpu_check); the summary block is also written there as summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -76,8 +76,9 @@ if [ $DRY -eq 1 ]; then
   run server-gen 300 "$PY" tools/bench_gpu.py server-gen --cpu-dry-run
   add gpu-tests SKIP "--cpu-dry-run: the GPU-marked tests need a GPU"
   add parity SKIP "--cpu-dry-run: tools/gpu_parity.py needs a GPU"
-elif [ -z "$GPU" ]; then
-  for p in gpu-tests parity train-step server-gen; do add "$p" SKIP "no CUDA device visible to torch"; done
+elif [ -z "$GPU" ]; then  # a GPU check that checked nothing must not pass: say --cpu-dry-run to check the script
+  for p in gpu-tests parity train-step server-gen; do add "$p" FAIL "no CUDA device visible to torch (on a machine \
+without a GPU, run with --cpu-dry-run)"; done
 else
   if have megatron.core; then
     run gpu-tests 120 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests

@@ -31,14 +31,16 @@ def test_param_count_matches_transformers_model():
     del torch
 
 
-def test_gpu_check_without_gpu_skips_every_part_with_a_reason(tmp_path):
+def test_gpu_check_without_gpu_fails_every_part_with_a_reason(tmp_path):
+    """A GPU check where no GPU is visible checked nothing: it fails (before: four SKIPs and PASS, exit 0), naming
+    --cpu-dry-run for checking the script itself on a CPU machine."""
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh")], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "GPU_CHECK_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""})
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     out = r.stdout
-    assert out.count("==== mega_async gpu_check") == 1 and "==== PASS ====" in out
+    assert out.count("==== mega_async gpu_check") == 1 and "==== FAIL ====" in out
     for part in ("gpu-tests", "parity", "train-step", "server-gen"):
-        assert f"{part}" in out and "no CUDA device" in out
+        assert f"{part}" in out and "no CUDA device" in out and "--cpu-dry-run" in out
     assert (tmp_path / "summary.txt").read_text() == out
     bad = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--bogus"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
