@@ -98,7 +98,7 @@ def test_a_router_busy_past_the_bound_is_gone_around(backend, caplog):
 @pytest.mark.slow  # waits out the watchdog's quiet time
 def test_a_hung_router_is_found_and_gone_around(backend, caplog):
     """A router that stops answering anything (a SIGSTOPped smg still accepts connections) is found by its watchdog
-    (no /generate answer for a while, then no /health answer within 2 s): generation goes straight to the server,
+    (no /generate answer for a while, then no /health answer within 3 s, twice): generation goes straight to the server,
     naming the router, long before request_timeout (before: every request waited request_timeout; nothing but
     generation talked to the router)."""
     held = set()
@@ -117,9 +117,9 @@ def test_a_hung_router_is_found_and_gone_around(backend, caplog):
         with caplog.at_level(logging.WARNING, logger="mega_async.inference.client"):
             got = generate(client, 8)
         assert [len(r.output_tokens) for r in got] == [4] * 8
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < 30
         assert client.router_stats() == {"answers": 0, "around": 8}
-        assert any(f"router http://{router.address} failed (/health: no answer within 2s" in r.getMessage()
+        assert any(f"router http://{router.address} failed (/health: no answer within 3s (2 times)" in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
     finally:
         router._loop.call_soon_threadsafe(lambda: [task.cancel() for task in held])  # the hung handlers end

@@ -20,7 +20,8 @@ logger = logging.getLogger("mega_async.inference.client")
 
 
 ROUTER_QUIET_S = 5.0  # the router gave no /generate answer this long: its /health is asked ...
-ROUTER_PROBE_S = 2.0  # ... and must answer within this, else it is hung and gone around
+ROUTER_PROBE_S = 3.0  # ... and must answer within this, twice in a row, else it is hung and gone around
+ROUTER_PROBE_MISSES = 2  # (one slow answer on a loaded host is not a hung router)
 
 
 class ServerPool(Transport):
@@ -480,11 +481,11 @@ class ServerPool(Transport):
 
     async def _router_watchdog(self) -> None:
         """While requests wait on the router: once it has given no /generate answer for ROUTER_QUIET_S, its /health
-        must answer within ROUTER_PROBE_S, else it is hung: gone around (named in one line) and its requests cut, to
+        must answer within ROUTER_PROBE_S (ROUTER_PROBE_MISSES misses in a row), else it is hung: gone around (named in one line) and its requests cut, to
         go to the servers with their tokens so far."""
         r = self.router
         quiet = max(ROUTER_QUIET_S, 5 * self.health_check_interval)
-        start = time.monotonic()
+        start, misses = time.monotonic(), 0
         while r is not None and r.healthy and r.in_flight > 0:
             await asyncio.sleep(self.health_check_interval)
             if time.monotonic() - max(r.last_answer, start) < quiet:
@@ -492,11 +493,14 @@ class ServerPool(Transport):
             try:
                 await self._request("GET", r, "/health", timeout=ROUTER_PROBE_S)
             except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-                if r.healthy:
-                    self._router_down(f"/health: {_why(e)} while {r.in_flight} requests waited on it")
+                misses += 1
+                if misses >= ROUTER_PROBE_MISSES and r.healthy:
+                    self._router_down(f"/health: {_why(e)} ({misses} times) while {r.in_flight} requests waited "
+                                      "on it")
                     self._cut_generation(r)
-                return
-            start = time.monotonic()
+                    return
+                continue
+            start, misses = time.monotonic(), 0
 
     def router_stats(self) -> Optional[dict[str, int]]:
         """With a router: the /generate answers so far that came through it and that went around it (a server out,
