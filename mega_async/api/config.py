@@ -354,11 +354,12 @@ class TrainerConfig:
     sync_timeout: float = 300.0  # seconds for one group set-up, bucket or server reply
     sync_master_address: Optional[str] = None  # where servers reach the trainer's stage heads; null = route to them
     keep_weight_versions: int = 2  # disk mode: newest version directories kept
-    verify_sync: bool = False  # after each sync: servers' probe logprobs must equal the trainer's
-    verify_sync_tol: float = 1e-4
-    # probe: logprobs of a fixed prompt equal the trainer's (exact on embedded servers) | checksum: every server's
-    # /weights_checker checksum changed with the sync and servers alike agree (real SGLang, bf16) | auto: probe on
-    # embedded servers, checksum on SGLang
+    verify_sync: bool = False  # after each sync: every server holds exactly the weights the trainer sent
+    verify_sync_tol: float = 1e-4  # probe only: the largest logprob difference allowed
+    # checksum: every server's /weights_checker per-tensor checksums equal the trainer's digest of its own weights
+    # (exact, names the server and the tensors) | probe: logprobs of a crafted prompt set within verify_sync_tol of
+    # the trainer's (blind to a stale bucket at small learning rates) | auto: checksum wherever the servers can
+    # hash their weights (the embedded server, SGLang 0.5.18+), else probe
     verify_sync_method: str = "auto"
     eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
     # multi-token-prediction layers (num_nextn_predict_layers: DeepSeek-V3, GLM-4.5), which SGLang serves as its

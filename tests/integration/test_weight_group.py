@@ -467,7 +467,7 @@ def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
     version = WeightVersion()
     sync = WeightSync([], version, RolloutSide(SGLangClient([addr])), timeout=60, verify_method="checksum")
     try:
-        assert sync._auto_method() == "probe"  # every server is an embedded one: exact logprobs
+        assert sync._auto_method() == "checksum"  # the embedded server hashes what it holds: the exact digest
         assert sync._verify_checksums() is None  # the first verify records the checksums
         assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v1"),
                                                         "weight_version": "1"})[0] == 200

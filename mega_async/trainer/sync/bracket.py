@@ -251,7 +251,9 @@ class WeightSync(Verification):
         self.version.set(from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
         self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
         if self._verify_fn is not None:
+            t1 = time.perf_counter()
             self.last["sync/verify_max_abs_diff"] = self.verify()
+            self.last["sync/verify_s"] = time.perf_counter() - t1
         return dict(self.last)
 
     def _run_phases(self, target: int, span_update: bool = True) -> list[str]:

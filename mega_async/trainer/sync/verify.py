@@ -27,8 +27,8 @@ class Verification:
         per-tensor checksums equal the trainer's digest of its own weights (`digest.py`), the server reports the
         sync's version, and (for what the digest cannot rebuild) its checksum changed with the sync and servers
         of one layout agree (`expect_change`: the sync sent weights that differ from the last; default: the sync's
-        `sends_new_weights`); returns 0. auto: probe when every server is an embedded one and the sync sends the
-        trainer's dtype, else checksum."""
+        `sends_new_weights`); returns 0. auto: checksum wherever the servers can hash their weights (the embedded
+        server, SGLang 0.5.18+), else probe (`_auto_method`)."""
         expect_change = self.sends_new_weights if expect_change is None else expect_change
         method = self.verify_method
         if method == "auto":
@@ -65,15 +65,18 @@ class Verification:
         return [a for a in self._targets if a in now]
 
     def _auto_method(self) -> str:
-        if self.fp8_block is not None:
-            return "checksum"  # FP8 servers' logprobs differ from the trainer's by the quantization itself
+        """checksum (the trainer's exact digest) wherever the servers can hash what they hold: the embedded server
+        and every tested SGLang release (0.5.18+: /weights_checker). The probe's tolerance cannot tell a stale
+        bucket from a training step at real learning rates (lr 1e-5 moves a logprob by ~1e-5, below any
+        tolerance that bf16 servers pass), so it is used only when asked for (trainer.verify_sync_method=probe)
+        or where a server cannot hash its weights."""
         client = self.rollout.client
         try:
             releases = self._loop.run(client.learn_releases(self.timeout), self.timeout + SLACK_S,
                                       "asking the servers for their SGLang release")
-        except Exception:  # noqa: BLE001 - the probe reports an unreachable server itself
-            return "probe"
-        return "probe" if all(r.embedded for r in releases if r is not None) else "checksum"
+        except Exception:  # noqa: BLE001 - the checksum call reports an unreachable server itself
+            return "checksum"
+        return "checksum" if all(r is None or r.embedded or _hashes(r) for r in releases) else "probe"
 
     def _verify_checksums(self) -> Optional[str]:
         """Rank 0: None when every server reports this sync's version and alike servers agree; the servers whose
@@ -435,3 +438,11 @@ class DigestPlan:
                 logger.info("verify_sync: %s: %d derived tensors not rebuilt by the digest (%s)", a, len(uncovered),
                             ", ".join(uncovered[:4]))
         return None
+
+
+def _hashes(release: Any) -> bool:
+    """Whether a server of this SGLang release answers /weights_checker's checksum (0.5.18+)."""
+    from mega_async.api.sglang_releases import parse_version
+
+    v = parse_version(getattr(release, "version", None))
+    return v is not None and v >= (0, 5, 18)
