@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 
 from mega_async.api.config import RunConfig
 from mega_async.api.config_load import save_config
-from mega_async.utils.comm import any_rank, from_rank0
+from mega_async.utils.comm import any_rank, from_rank0, rank
 from mega_async.utils.diskspace import free_bytes
 
 logger = logging.getLogger("mega_async.run.loop")
@@ -96,7 +96,7 @@ class Checkpointer:
 
         t0 = time.monotonic()
         out = self.cfg.run_dir / "hf_snapshots" / f"step_{step}"
-        short = from_rank0(self._snapshot_short(out) if self._rank0 else None, self.group)
+        short = from_rank0(self._snapshot_short(out) if rank() == 0 else None, self.group)
         if short is not None:  # skipped with a line, as every rank agrees: the run (and its checkpoints) go on
             logger.warning("HF snapshot %s skipped: %s", out.name, short)
             return
@@ -109,14 +109,8 @@ class Checkpointer:
                            f"({human(free_bytes(out.parent))} free); free space there, lower "
                            "trainer.hf_snapshot_keep, or set trainer.hf_snapshot_interval=0", out.parent) from None
         logger.info("HF snapshot %s (%.2fs)", out, time.monotonic() - t0)
-        if self._rank0 and self.cfg.trainer.hf_snapshot_keep:
+        if rank() == 0 and self.cfg.trainer.hf_snapshot_keep:
             prune_snapshots(out.parent, self.cfg.trainer.hf_snapshot_keep)
-
-    @property
-    def _rank0(self) -> bool:
-        import torch.distributed as dist
-
-        return not dist.is_initialized() or dist.get_rank() == 0
 
     def _snapshot_short(self, out: Path) -> Optional[str]:
         """Rank 0: why an HF snapshot cannot fit (its size from the model card, against the free space), or None."""
