@@ -364,7 +364,9 @@ class TrainerConfig:
     eval_interval: int = 0  # steps between evaluations on the held-out split (greedy pass@1); 0 = off
     # multi-token-prediction layers (num_nextn_predict_layers: DeepSeek-V3, GLM-4.5), which SGLang serves as its
     # NextN draft: train (jointly, their cross-entropy x mtp_loss_scaling_factor beside the policy loss, logged as
-    # mtp_loss) | freeze (never run, carried unchanged). Set for a model without them: refused (`check_mtp`).
+    # mtp_loss) | freeze (never run, carried unchanged) | init (freshly initialised, then trained like train) |
+    # off (none built, synced or exported). A checkpoint carrying none of them (transformers saves none) trains
+    # without them under train and freeze, with a warning. Set for a model without them: refused (`check_mtp`).
     mtp: str = "train"
     mtp_loss_scaling_factor: float = 0.1
 
@@ -375,14 +377,14 @@ class TrainerConfig:
             return
         default = TrainerConfig()
         changed = [f"trainer.{k}={getattr(self, k)}" for k in ("mtp", "mtp_loss_scaling_factor")
-                   if getattr(self, k) != getattr(default, k)]
+                   if getattr(self, k) != getattr(default, k) and not (k == "mtp" and self.mtp == "off")]
         if changed:
             raise ConfigError(f"{', '.join(changed)}: this model has no multi-token-prediction layers "
                               "(num_nextn_predict_layers 0 or absent); leave the MTP settings out")
 
     def validate(self) -> None:
         _positive("trainer.eval_interval", self.eval_interval, allow_zero=True)
-        _choice("trainer.mtp", self.mtp, ("train", "freeze"))
+        _choice("trainer.mtp", self.mtp, ("train", "freeze", "init", "off"))
         _positive("trainer.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, allow_zero=True)
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.lr", self.lr)

@@ -65,18 +65,20 @@ class Release:
     sessions: Optional[bool]  # needs begin/end_weight_update around distributed and tensor updates
     embedded: bool = False  # mega_async's embedded server mirroring this release (its logprobs are exact)
     draft: bool = False  # serves a NextN/EAGLE speculative draft (the model's MTP layers): `serves_draft`
+    mtp_kept: bool = True  # embedded server: it keeps the model's MTP layers (/server_info's mtp_layers_kept)
 
     @staticmethod
-    def of(version_string: Any, embedded: bool = False, draft: bool = False) -> "Release":
+    def of(version_string: Any, embedded: bool = False, draft: bool = False, mtp_kept: bool = True) -> "Release":
         v = parse_version(version_string)
         return Release(version_string if isinstance(version_string, str) else None,
-                       None if v is None else v >= SESSIONS_SINCE, embedded, draft)
+                       None if v is None else v >= SESSIONS_SINCE, embedded, draft, mtp_kept)
 
     @property
     def keeps_mtp(self) -> bool:
         """Whether the weight sync sends it the model's MTP layers: SGLang serving them as its draft, or the embedded
-        server (which keeps every checkpoint weight by name; its speculative decoding is optional)."""
-        return self.embedded or self.draft
+        server holding them (it keeps every checkpoint weight by name; one started from a checkpoint without them
+        serves the target model alone, as SGLang does)."""
+        return self.draft or (self.embedded and self.mtp_kept)
 
     @property
     def pause_polls(self) -> bool:

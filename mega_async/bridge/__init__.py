@@ -59,6 +59,7 @@ class HFBridge:
         self.mb = self.family.mbridge(self.hf_config, dtype)
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.mtp_layers = mtp.mtp_layers(self.hf_config)  # multi-token-prediction layers (mega_async.bridge.mtp)
+        self.fresh_mtp = False  # trainer.mtp=init: they are not loaded (`mega_async.trainer.model.build_model`)
         self.config = self.mb.config  # Megatron's TransformerConfig (trainer.model sets its run options)
 
     @staticmethod
@@ -150,9 +151,12 @@ class HFBridge:
                 names = self.hf_names(g)
                 if names == ["lm_head.weight"] and self.tied() and "lm_head.weight" not in reader:
                     names = ["model.embed_tokens.weight"]
+                if self.fresh_mtp and local.startswith("mtp."):
+                    continue  # trainer.mtp=init: the MTP layers keep Megatron's initialisation
                 missing = [x for x in names if x not in reader]
                 if missing:
-                    raise KeyError(f"{hf_dir}: checkpoint lacks {missing[0]!r} (needed for {local})")
+                    raise CheckpointMismatch(f"{hf_dir}: the checkpoint lacks {missing[0]!r}, "
+                                             f"{missing_group(missing[0], self.hf_config, self.num_layers)}")
                 full = self.mb._weight_to_mcore_format(g, [reader.get(x) for x in names])
                 if getattr(_unwrap(model), "mtp_process", False) and len(names) == 1:
                     _check_mtp_copies(reader, names[0], full, self.num_layers, self.mtp_layers)
@@ -165,6 +169,36 @@ class HFBridge:
                     param.copy_(shard.to(param.dtype))
                 n += 1
         return n
+
+
+class CheckpointMismatch(ValueError):
+    """An HF checkpoint that lacks a tensor its config.json asks for (one line: the tensor, its group, the fix)."""
+
+
+def missing_group(hf_name: str, hf: Any, num_layers: int) -> str:
+    """What a tensor missing from a checkpoint belongs to, and what to change: the rest of a one-line error."""
+    tail = "the checkpoint and its config.json describe different models"
+    if hf_name == "lm_head.weight":
+        return ("the output head: config.json says tie_word_embeddings: false; set it to true if the head is the "
+                "input embedding, or use the checkpoint the head was saved with")
+    if hf_name == "model.embed_tokens.weight":
+        return f"the input embedding; {tail}"
+    if mtp.is_mtp_hf_name(hf_name, num_layers):
+        return ("a weight of the multi-token-prediction layers that config.json's num_nextn_predict_layers asks for "
+                "(the checkpoint holds some of them): set trainer.mtp=init (fresh layers) or trainer.mtp=off (none)")
+    if "e_score_correction_bias" in hf_name:
+        return (f"the routers' expert bias, which config.json's routing (topk_method: "
+                f"{getattr(hf, 'topk_method', 'noaux_tc')}) reads; {tail}")
+    if "shared_expert" in hf_name:
+        return (f"the shared experts that config.json asks for (n_shared_experts / shared_expert_intermediate_size); "
+                f"set them to 0 if the model has none, else {tail}")
+    if ".mlp.experts." in hf_name:
+        experts = getattr(hf, "n_routed_experts", None) or getattr(hf, "num_experts", None)
+        return f"a routed expert; config.json asks for {experts} experts per MoE layer, so {tail}"
+    if hf_name.endswith(".bias"):
+        bias = str(getattr(hf, "attention_bias", None)).lower()
+        return f"a bias that config.json's attention_bias: {bias} (or the family's fixed biases) asks for; {tail}"
+    return f"which config.json's sizes ask for; {tail}"
 
 
 def _check_mtp_copies(reader: Any, hf_name: str, full: torch.Tensor, num_layers: int, layers: int) -> None:

@@ -365,3 +365,13 @@ def set_config_dtype(hf_dir: Path, name: str) -> None:
     if any(config.get(k) != name for k in keys):
         config.update({k: name for k in keys})
         path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def set_config_mtp(hf_dir: Path, layers: int) -> None:
+    """config.json's num_nextn_predict_layers says the multi-token-prediction layers written beside it (a model
+    trained or converted without the ones its card asked for: 0)."""
+    path = Path(hf_dir) / "config.json"
+    config = json.loads(path.read_text())
+    if int(config.get("num_nextn_predict_layers") or 0) != layers:
+        config["num_nextn_predict_layers"] = layers
+        path.write_text(json.dumps(config, indent=2) + "\n")

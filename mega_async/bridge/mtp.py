@@ -11,7 +11,7 @@ embedding and head are read) and are exported as copies of them. Pure name mappi
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 _MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 # the MTP layer's own modules: Megatron suffix -> HF suffix under model.layers.{N + k}
@@ -69,3 +69,47 @@ def shared_copy_of(hf_name: str, num_layers: int) -> Optional[str]:
         if m[2] == suffix:
             return main
     return None
+
+
+# trainer.mtp: train (load and train the checkpoint's MTP layers) | freeze (load, never run, carried unchanged) |
+# init (freshly initialised MTP layers, trained from here) | off (no MTP layers: built, trained, synced nor exported)
+MODES = ("train", "freeze", "init", "off")
+
+
+def held_layers(names: Iterable[str], num_layers: int) -> set[int]:
+    """The MTP layers (0-based k) of which a checkpoint carries any tensor: model.layers.{num_layers + k}.*."""
+    held = set()
+    for name in names:
+        m = re.match(r"^model\.layers\.(\d+)\.", name)
+        if m and int(m[1]) >= num_layers:
+            held.add(int(m[1]) - num_layers)
+    return held
+
+
+def plan(asked: int, held: set[int], mode: str, where: str) -> tuple[int, bool, Optional[str]]:
+    """What the trainer builds of a card's `asked` MTP layers when its checkpoint carries the layers `held`, under
+    trainer.mtp=`mode`: (layers built, whether they start fresh instead of loading, a warning to log or None).
+
+    transformers keeps no MTP layer (DeepseekV3ForCausalLM and Glm4MoeForCausalLM have no module for it), so a model
+    saved with save_pretrained says num_nextn_predict_layers: 1 and carries none of its weights: under train or
+    freeze it trains without them (said once; the exports say 0), under init it gets fresh ones. A checkpoint
+    holding some of the asked layers only is refused (a ValueError, one line)."""
+    if mode not in MODES:
+        raise ValueError(f"trainer.mtp={mode!r}: use one of {', '.join(MODES)}")
+    if not asked or mode == "off":
+        return 0, False, None
+    if mode == "init":
+        return asked, True, None
+    if not held:
+        return 0, False, (f"{where}: config.json asks for {asked} multi-token-prediction layer(s) "
+                          "(num_nextn_predict_layers) but the checkpoint carries none of their weights (as "
+                          "transformers saves a model): the model is built, trained and exported without them (the exported "
+                          "config.json says num_nextn_predict_layers: 0, so no NextN draft can be served from it); "
+                          "trainer.mtp=init trains fresh ones, trainer.mtp=off says this on purpose")
+    if held != set(range(asked)):
+        raise ValueError(f"{where}: config.json asks for {asked} multi-token-prediction layer(s) "
+                         f"(num_nextn_predict_layers) but the checkpoint carries layer(s) "
+                         f"{', '.join(map(str, sorted(held)))} of them (0-based, after the "
+                         f"model's own): set num_nextn_predict_layers to what it holds, or trainer.mtp=init (fresh "
+                         "layers) or trainer.mtp=off (none)")
+    return asked, False, None

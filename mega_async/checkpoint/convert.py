@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from mega_async.checkpoint.format import check_dist_checkpoint, model_sharded_state_dict
-from mega_async.bridge.model_cards import DTYPES, copy_model_files, set_config_dtype, source_dtype
+from mega_async.bridge.model_cards import DTYPES, copy_model_files, set_config_dtype, set_config_mtp, source_dtype
 from mega_async.utils.outputs import check_replaceable
 
 logger = logging.getLogger("mega_async.checkpoint.convert")
@@ -63,7 +63,7 @@ def model_tensor_names(names: list[str], models: Any) -> list[str]:
 def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str, dtype: Optional[str] = None) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
-    from mega_async.bridge import HFTensors, load_hf_weights
+    from mega_async.bridge import HFTensors, bridge_for, load_hf_weights
     from mega_async.utils.lifeline import guard_checkpoint_writer
     from mega_async.trainer.model import build_model
 
@@ -91,6 +91,7 @@ def hf_to_mcore(hf_dir: str, out_dir: str, allocation: str, dtype: Optional[str]
         if _rank() == 0:
             copy_model_files(src, tmp / HF_SUBDIR)
             set_config_dtype(tmp / HF_SUBDIR, dtype)
+            set_config_mtp(tmp / HF_SUBDIR, bridge_for(models).mtp_layers)  # what was converted
             (tmp / META).write_text(json.dumps({"format": "megatron-dist-ckpt", "allocation": allocation,
                                                 "source": str(src.resolve()), "hf_tensors": count, "dtype": dtype},
                                                indent=2))

@@ -12,6 +12,7 @@ from typing import Any, Optional
 from aiohttp import web
 
 from mega_async.server.memory import resident_weight_bytes
+from mega_async.server.weights import mtp_layers_held
 
 EmbeddedServer = Any  # app.py's EmbeddedServer (app.py imports this module)
 
@@ -70,6 +71,7 @@ class InfoEndpoints:
         return web.json_response({
             **self.server_args(), "version": self.s.release.version,
             "embedded_server": "mega_async", "weight_version": eng.weight_version,
+            "mtp_layers_kept": mtp_layers_held(eng.model),
             "num_running_reqs": eng.num_running, "num_waiting_reqs": eng.num_waiting, "paused": eng.paused,
             "memory_released": sorted(eng.released), "resident_weight_bytes": resident_weight_bytes(eng.model),
             "prefix_cache": {"entries": len(eng.prefix_cache), "tokens": eng.prefix_cache.num_tokens,

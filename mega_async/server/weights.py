@@ -6,6 +6,7 @@ Checkpoints (and the trainer's resharder) name MoE experts one by one
 """
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -13,6 +14,8 @@ from typing import Iterable, Iterator, Optional
 import torch
 
 from mega_async.utils.safe_load import SafetensorsDir
+
+logger = logging.getLogger("mega_async.server")
 
 _EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -70,7 +73,7 @@ def check_target(params: dict[str, torch.Tensor], name: str, shape: tuple[int, .
 def check_layout(model: torch.nn.Module, specs: Iterable[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
     """Raise WeightLoadError unless every (name, shape, dtype) can be loaded into `model` (no data needed)."""
     params = dict(model.state_dict(keep_vars=False))
-    for name, shape, dtype in specs:
+    for name, shape, dtype in _without_unheld_mtp(model, specs):
         check_target(params, name, shape, dtype)
 
 
@@ -101,6 +104,24 @@ class WeightBackup:
         return n
 
 
+def mtp_layers_held(model: torch.nn.Module) -> int:
+    """How many multi-token-prediction layers the served model keeps (appended after its own layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    own = int(getattr(getattr(model, "config", None), "num_hidden_layers", 0) or 0)
+    return max(0, len(layers) - own) if layers is not None and own else 0
+
+
+def _without_unheld_mtp(model: torch.nn.Module, items: Iterable[tuple]) -> list[tuple]:
+    """(name, ...) items without the MTP layers' tensors when the config asks for MTP layers the server does not
+    keep (a checkpoint saved without them): as SGLang's target model, whose load_weights skips those layers."""
+    items = list(items)
+    cfg = getattr(model, "config", None)
+    if not int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or mtp_layers_held(model):
+        return items
+    layers = int(cfg.num_hidden_layers)
+    return [it for it in items if not ((m := re.match(r"^model\.layers\.(\d+)\.", it[0])) and int(m[1]) >= layers)]
+
+
 def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False,
                        backup: Optional[WeightBackup] = None) -> int:
     """Copy tensors into the model by checkpoint name. Validates everything first; restores on failure.
@@ -110,6 +131,7 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
     Returns tensors loaded.
     """
     params = dict(model.state_dict(keep_vars=False))
+    named = _without_unheld_mtp(model, named)
     targets = [(name, check_target(params, name, tuple(t.shape), t.dtype), t) for name, t in named]
     if strict:
         have = {n for n, _, _ in targets}
@@ -155,6 +177,13 @@ def load_pretrained(path: str | Path, dtype: torch.dtype, device: str = "cpu") -
         if prefixes:  # the MTP layers (a draft's weights) are kept by their checkpoint names, not run
             tensors = SafetensorsDir(path, error=WeightLoadError)
             have = set(tensors.names())
+            if not any(n.startswith(tuple(prefixes)) for n in have):
+                # as transformers saves a model: served as the target model alone, as SGLang serves it
+                del model.model.layers[int(model.config.num_hidden_layers):]
+                logger.warning("%s: config.json asks for %d multi-token-prediction layer(s) but the checkpoint "
+                               "carries none of their weights (as transformers saves a model): served without "
+                               "them (no draft can be made of them)", path, len(prefixes))
+                return model.to(device)
             missing = [n for n, _ in checkpoint_names(model) if n.startswith(tuple(prefixes)) and n not in have]
             if missing:
                 raise WeightLoadError(f"{path}: num_nextn_predict_layers asks for MTP layers but the checkpoint lacks "

@@ -116,13 +116,13 @@ class MegatronTrainEngine:
         self.cfg = cfg
         on_gpu = torch.cuda.is_available()
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
-        self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
+        self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True, mtp=cfg.trainer.mtp)
         self.bridge = self.models[0]._mega_async_bridge
         self.mtp_trains = self._setup_mtp(strategy)  # multi-token-prediction layers (mega_async.trainer.mtp)
         # the reference policy for the KL penalty: a frozen copy of the initial weights, same layout
         self.ref_models: list[torch.nn.Module] = []
         if cfg.algorithm.kl_coef > 0:
-            self.ref_models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True)
+            self.ref_models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True, mtp=cfg.trainer.mtp)
             for m in self.ref_models:
                 m.eval()
                 m.requires_grad_(False)
@@ -162,7 +162,7 @@ class MegatronTrainEngine:
         from mega_async.trainer import mtp
         from mega_async.trainer.parallel import AllocationError
 
-        self.cfg.trainer.check_mtp(self.bridge.mtp_layers)
+        self.cfg.trainer.check_mtp(self.bridge.mtp_asked)  # the card's count: the built one may be 0 (off, none held)
         if not self.bridge.mtp_layers:
             return False
         if self.cfg.trainer.mtp == "freeze":

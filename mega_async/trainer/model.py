@@ -6,12 +6,20 @@ Engine on GPU when installed) and builds one GPTModel per virtual pipeline chunk
 """
 from __future__ import annotations
 
+import copy
+import logging
 import os
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
+
+from mega_async.bridge import mtp as mtp_plan
 
 from mega_async.trainer.parallel import as_strategy, init_parallel_state, validate_for_model
+
+logger = logging.getLogger("mega_async.trainer")
 
 
 def _configure(bridge: Any) -> None:
@@ -117,15 +125,37 @@ def _rank_memory() -> int:
     return available_memory() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
+def _mtp_layers(hf_config: Any, hf_dir: Any, mode: str) -> tuple[int, bool]:
+    """(MTP layers to build, whether fresh) for trainer.mtp=`mode`; what the safetensors in `hf_dir` carry decide
+    train and freeze (no weights there, e.g. a converted checkpoint's hf/ card: the card's count)."""
+    asked = mtp_plan.mtp_layers(hf_config)
+    if not asked:
+        return 0, False
+    held = set(range(asked))
+    if isinstance(hf_dir, (str, os.PathLike)) and any(Path(hf_dir).glob("*.safetensors")):
+        from mega_async.utils.safe_load import SafetensorsDir
+
+        held = mtp_plan.held_layers(SafetensorsDir(hf_dir).names(), int(hf_config.num_hidden_layers))
+    layers, fresh, warning = mtp_plan.plan(asked, held, mode, str(hf_dir))
+    if warning and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.warning("%s", warning)
+    elif fresh and (not dist.is_initialized() or dist.get_rank() == 0):
+        logger.info("trainer.mtp=init: %d multi-token-prediction layer(s) start from Megatron's initialisation%s",
+                    layers, " (the checkpoint's are not loaded)" if held else "")
+    return layers, fresh
+
+
 def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = torch.float32,
-                load_weights: bool = False, layer_spec: str = "auto") -> list[torch.nn.Module]:
+                load_weights: bool = False, layer_spec: str = "auto", mtp: str = "train") -> list[torch.nn.Module]:
     """One module per virtual pipeline chunk of this rank.
 
     `allocation` is a string ("megatron:d1t2e2"), a parsed Allocation or a ParallelStrategy. Under
     torchrun this initialises torch.distributed and Megatron's parallel state when they are not yet;
     the layout is checked against the model first. With `load_weights` (an HF directory), its
     safetensors are loaded too. `layer_spec`: auto (Transformer Engine on GPU when installed, else
-    Megatron's local modules), local, or te.
+    Megatron's local modules), local, or te. `mtp` (trainer.mtp) decides the multi-token-prediction layers built
+    from a card that asks for them (`mega_async.bridge.mtp.plan`: off builds none, init fresh ones, train and freeze
+    the checkpoint's, or none with a warning when the checkpoint carries none, as transformers saves a model).
     """
     from mega_async.bridge import HFBridge, _hf_config, load_hf_weights
     from mega_async.bridge.model_cards import check_fits_memory
@@ -135,10 +165,15 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
                       else "the model config", dtype_bytes=dtype.itemsize, dense_shards=strategy.tp * strategy.pp,
                       expert_shards=strategy.ep * strategy.etp * strategy.pp, memory=_rank_memory(),
                       what=f"in {str(dtype)[6:]} on this rank")
-    hf_config = _hf_config(hf_dir_or_config)
+    hf_config = copy.deepcopy(_hf_config(hf_dir_or_config))  # its MTP layer count is what the run builds
+    asked = mtp_plan.mtp_layers(hf_config)
+    layers, fresh = _mtp_layers(hf_config, hf_dir_or_config, mtp)
+    if asked:
+        hf_config.num_nextn_predict_layers = layers
     validate_for_model(strategy, hf_config)
     init_parallel_state(strategy)
     bridge = HFBridge(hf_config, dtype=dtype, layer_spec=layer_spec)
+    bridge.fresh_mtp, bridge.mtp_asked = fresh, asked
     _configure(bridge)
     models = _build(bridge)
     if load_weights:

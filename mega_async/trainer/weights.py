@@ -382,8 +382,11 @@ def save_hf_checkpoint(models: Sequence[torch.nn.Module], out_dir: str | os.Path
             if not (tmp / "config.json").exists():
                 rs.bridge.hf_config.save_pretrained(str(tmp))
             config = json.loads((tmp / "config.json").read_text())  # quantization_config as the weights are written
-            if fp8.config_for(config, fp8_block) != config:
-                (tmp / "config.json").write_text(json.dumps(fp8.config_for(config, fp8_block), indent=2) + "\n")
+            fixed = fp8.config_for(config, fp8_block)
+            if int(config.get("num_nextn_predict_layers") or 0) != rs.bridge.mtp_layers:
+                fixed = {**fixed, "num_nextn_predict_layers": rs.bridge.mtp_layers}  # the MTP layers written
+            if fixed != config:
+                (tmp / "config.json").write_text(json.dumps(fixed, indent=2) + "\n")
             if dtype_name is not None:  # config.json says what the weights are (`convert --dtype`)
                 from mega_async.bridge.model_cards import set_config_dtype
 

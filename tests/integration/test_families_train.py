@@ -93,3 +93,42 @@ def test_family_run_learns_with_verified_distributed_sync(tmp_path, config, card
     hf = AutoModelForCausalLM.from_pretrained(run / "final_hf", dtype=torch.float32)
     assert hf.model.embed_tokens.weight.equal(final["model.embed_tokens.weight"])
     assert not hf.model.embed_tokens.weight.equal(src["model.embed_tokens.weight"])
+
+
+# a model saved by transformers (tests/checkpoints.py): config.json asks for one MTP layer, the weights carry none
+SAVED_RUNS = [("tiny_deepseek_cpu", TINY_DEEPSEEK, "sglang:d1+megatron:d1t2", "train"),
+              ("tiny_glm_cpu", TINY_GLM, "sglang:d1+megatron:d2e2", "init")]
+
+
+@pytest.mark.parametrize("config, card, allocation, mode", SAVED_RUNS,
+                         ids=[f"{c.split('_')[1]}-{a.split(':')[-1]}-mtp_{m}" for c, _, a, m in SAVED_RUNS])
+def test_a_transformers_saved_model_trains_with_verified_distributed_sync(tmp_path, config, card, allocation, mode):
+    """trainer.mtp=train (the default): trained without the MTP layer, said in one warning; the server serves the
+    target alone, holds exactly the trainer's weights after every sync (checksums against the trainer's digest);
+    final_hf says num_nextn_predict_layers: 0 and loads in transformers. init: a fresh MTP layer trains with its
+    own loss and goes out in final_hf (config 1), while the server (target only) is sent none of it."""
+    from tests.checkpoints import transformers_saved
+
+    saved = transformers_saved(card, tmp_path / "saved")
+    cmd = train_command(config, tmp_path / "runs", f"model.path={saved}", f"parallel.allocation={allocation}",
+                        "trainer.sync_timeout=120", "trainer.total_steps=4", "trainer.verify_sync_method=checksum",
+                        f"trainer.mtp={mode}")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-6000:]
+    run = tmp_path / "runs" / config / "run0"
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [s["version"] for s in steps] == [1, 2, 3, 4]
+    assert all(s["sync/verify_max_abs_diff"] == 0 for s in steps)  # the digest matched every sync
+    warned = [x for x in r.stderr.splitlines() if "carries none of their weights" in x]
+    final = load_file(str(run / "final_hf" / "model.safetensors"))
+    layers = json.loads((run / "final_hf" / "config.json").read_text())["num_nextn_predict_layers"]
+    if mode == "train":
+        assert len(warned) == 1 and layers == 0, r.stderr[-3000:]
+        assert final.keys() == load_file(str(saved / "model.safetensors")).keys()
+        assert not any("train/mtp_loss" in s for s in steps)
+        AutoModelForCausalLM.from_pretrained(run / "final_hf", dtype=torch.float32)
+    else:
+        assert not warned and layers == 1
+        assert all(s["train/mtp_tokens"] > 0 and 0 < s["train/mtp_loss"] < 10 for s in steps)
+        assert "model.layers.4.eh_proj.weight" in final
+        assert torch.equal(final["model.layers.4.shared_head.head.weight"], final["lm_head.weight"])

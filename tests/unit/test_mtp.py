@@ -68,3 +68,90 @@ def test_mtp_settings_for_a_model_without_mtp_layers_are_refused_not_ignored(tmp
     cfg = load_config("configs/tiny_cpu.yaml", ["trainer.mtp_loss_scaling_factor=0.5"])  # Qwen3-MoE: none
     with pytest.raises(ConfigError, match="trainer.mtp_loss_scaling_factor=0.5: this model has no"):
         check_inputs(cfg)
+
+
+def test_what_the_trainer_builds_of_the_mtp_layers_a_card_asks_for():
+    """trainer.mtp against what the checkpoint carries (`bridge.mtp.plan`): transformers saves none of them."""
+    import pytest
+
+    plan = mtp.plan
+    assert plan(1, {0}, "train", "d") == (1, False, None) and plan(1, {0}, "freeze", "d") == (1, False, None)
+    assert plan(1, {0}, "off", "d") == (0, False, None) and plan(0, set(), "off", "d") == (0, False, None)
+    assert plan(1, set(), "init", "d") == (1, True, None) and plan(1, {0}, "init", "d") == (1, True, None)
+    for mode in ("train", "freeze"):  # as transformers saves a model: built without them, said once
+        layers, fresh, warning = plan(1, set(), mode, "/m")
+        assert (layers, fresh) == (0, False) and warning.startswith("/m: config.json asks for 1 multi-token-")
+        assert "num_nextn_predict_layers: 0" in warning and "trainer.mtp=init" in warning and "\n" not in warning
+    with pytest.raises(ValueError, match=r"^/m: config.json asks for 2 .* carries layer\(s\) 1 of them.*trainer.mtp=off"):
+        plan(2, {1}, "train", "/m")  # some of the layers only: neither trained nor silently dropped
+    with pytest.raises(ValueError, match="trainer.mtp='draft': use one of train, freeze, init, off"):
+        plan(1, {0}, "draft", "/m")
+    assert mtp.held_layers(["model.layers.3.x", "model.layers.4.enorm.weight", "model.layers.5.y", "lm_head.weight"],
+                           4) == {0, 1}
+
+
+def test_mtp_off_is_accepted_for_a_model_without_mtp_layers_and_the_new_modes_are_valid():
+    import pytest
+
+    from mega_async.api.config import ConfigError, TrainerConfig
+
+    TrainerConfig(mtp="off").check_mtp(0)  # says what happens anyway
+    with pytest.raises(ConfigError, match="trainer.mtp=init: this model has no multi-token-prediction layers"):
+        TrainerConfig(mtp="init").check_mtp(0)
+    for mode in ("train", "freeze", "init", "off"):
+        TrainerConfig(mtp=mode).validate()
+    with pytest.raises(ConfigError, match="trainer.mtp"):
+        TrainerConfig(mtp="on").validate()
+
+
+def test_a_missing_tensor_group_is_named_with_its_fix():
+    from types import SimpleNamespace
+
+    from mega_async.bridge import missing_group
+
+    hf = SimpleNamespace(tie_word_embeddings=False, attention_bias=True, n_routed_experts=8, topk_method="noaux_tc")
+    assert "tie_word_embeddings: false; set it to true" in missing_group("lm_head.weight", hf, 4)
+    assert "routers' expert bias" in missing_group("model.layers.1.mlp.gate.e_score_correction_bias", hf, 4)
+    assert "n_shared_experts" in missing_group("model.layers.1.mlp.shared_experts.up_proj.weight", hf, 4)
+    assert "8 experts per MoE layer" in missing_group("model.layers.1.mlp.experts.3.up_proj.weight", hf, 4)
+    assert "attention_bias: true" in missing_group("model.layers.0.self_attn.q_proj.bias", hf, 4)
+    assert "trainer.mtp=init" in missing_group("model.layers.4.eh_proj.weight", hf, 4)
+
+
+def test_the_embedded_server_serves_a_transformers_saved_model_as_its_target_alone(tmp_path):
+    """As SGLang does: no MTP layers kept (none to keep), /server_info says so (the sync sends it none), an
+    update's MTP-layer tensors are not its own and are skipped, the trainer's digest leaves them out for it; a
+    checkpoint holding some of the MTP weights only is still refused."""
+    import pytest
+    from safetensors.torch import load_file, save_file
+
+    from mega_async.bridge.model_cards import TINY_DEEPSEEK, init_random_weights
+    from mega_async.server.weights import WeightLoadError, load_named_tensors, load_pretrained, mtp_layers_held
+    from mega_async.trainer.sync.digest import DigestBuilder, Flavor
+    from tests.checkpoints import transformers_saved
+
+    saved = transformers_saved(TINY_DEEPSEEK, tmp_path / "saved")
+    model = load_pretrained(saved, torch.float32)
+    assert mtp_layers_held(model) == 0 and len(model.model.layers) == model.config.num_hidden_layers == 4
+    full = init_random_weights(TINY_DEEPSEEK, tmp_path / "full", seed=0)
+    assert mtp_layers_held(load_pretrained(full, torch.float32)) == 1
+    sd = load_file(str(full / "model.safetensors"))
+    eh = sd["model.layers.4.eh_proj.weight"]
+    head = sd["lm_head.weight"]
+    assert load_named_tensors(model, [("model.layers.4.eh_proj.weight", eh), ("lm_head.weight", head)]) == 1
+    assert torch.equal(model.lm_head.weight, head)
+    assert Release.of("0.5.23", embedded=True, mtp_kept=False).keeps_mtp is False
+    assert mtp_plan([("a", Release.of("0.5.23", embedded=True, mtp_kept=False))]) == (False, None)
+    # the digest of a server without the MTP layers: their tensors are not "missing on the server"
+    reply = {"lm_head.weight": "0"}
+    b = DigestBuilder(reply, Flavor(torch.float32, "sha256"), 8, mtp_from=4)
+    b.add("model.layers.4.eh_proj.weight", eh)
+    b.add("model.layers.3.self_attn.o_proj.weight", torch.zeros(2))
+    assert b.finish().unused == ["model.layers.3.self_attn.o_proj.weight"]
+    partial = tmp_path / "partial"
+    transformers_saved(TINY_DEEPSEEK, partial)
+    kept = load_file(str(partial / "model.safetensors"))
+    save_file({**kept, "model.layers.4.eh_proj.weight": eh}, str(partial / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(WeightLoadError, match="num_nextn_predict_layers asks for MTP layers but the checkpoint lacks"):
+        load_pretrained(partial, torch.float32)

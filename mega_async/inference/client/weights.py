@@ -325,6 +325,7 @@ class WeightControl(ServerPool):
             if s.release is None:
                 version: Any = None
                 embedded = draft = False
+                mtp_kept = True
                 asked: list[str] = []  # each route's answer so far, for the error
                 for path in ("/server_info", "/get_server_info"):
                     try:
@@ -341,6 +342,7 @@ class WeightControl(ServerPool):
                     if status == 200 and isinstance(out, dict):
                         version, embedded = out.get("version"), out.get("embedded_server") is not None
                         draft = serves_draft(out)  # a NextN/EAGLE draft of the model's MTP layers
+                        mtp_kept = bool(out.get("mtp_layers_kept", 1))  # the embedded server's
                         break
                     if status >= 500:
                         if mark:
@@ -354,7 +356,7 @@ class WeightControl(ServerPool):
                     if status != 404:
                         raise ServerError(f"{s.address}: cannot learn its SGLang release: {'; '.join(asked)} (a "
                                           "router in front of the servers? give the trainer the servers themselves)")
-                s.release = Release.of(version, embedded, draft)
+                s.release = Release.of(version, embedded, draft, mtp_kept)
                 why = untested_reason(version)
                 if why and s.release.sessions is not None:
                     logger.warning("server %s: %s; speaking the protocol of its release line", s.address, why)

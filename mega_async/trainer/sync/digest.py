@@ -31,6 +31,8 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from mega_async.bridge.mtp import is_mtp_hf_name
+
 VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _QKV = re.compile(r"^(?P<p>.*\.self_attn)\.qkv_proj\.(?P<w>weight|bias)$")
@@ -183,8 +185,10 @@ class DigestBuilder:
     Built for one reply's names: a tensor is kept only until every server tensor built from it is hashed (a
     layer's experts are held until the last of them arrives), so memory stays about one fused group."""
 
-    def __init__(self, names: Iterable[str], flavor: Flavor, num_experts: Optional[int]):
+    def __init__(self, names: Iterable[str], flavor: Flavor, num_experts: Optional[int],
+                 mtp_from: Optional[int] = None):
         self.flavor = flavor
+        self.mtp_from = mtp_from  # tensors of HF layers from here on (MTP layers the server does not keep): skipped
         self.hash = HASHES[flavor.hash or "sha256"]
         self._want: dict[str, tuple[list[list[str]], bool]] = {}
         self.expected = Expected()
@@ -201,7 +205,8 @@ class DigestBuilder:
         self._fed.add(name)
         waiting = self._uses.get(name)
         if not waiting:
-            self.expected.unused.append(name)
+            if self.mtp_from is None or not is_mtp_hf_name(name, self.mtp_from):
+                self.expected.unused.append(name)
             return
         self._have[name] = t.to(self.flavor.dtype) if self.flavor.dtype and t.dtype.is_floating_point else t
         for s in list(waiting):

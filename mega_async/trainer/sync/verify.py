@@ -10,6 +10,7 @@ import torch
 
 from mega_async.trainer.sync.common import SLACK_S, SyncError
 from mega_async.utils.comm import from_rank0, rank
+from mega_async.bridge.mtp import is_mtp_hf_name
 from mega_async.trainer.sync.digest import DigestBuilder, compare, learn_flavor
 
 logger = logging.getLogger("mega_async.trainer.sync")
@@ -56,6 +57,16 @@ class Verification:
         cfg = bridge_for(self.models).hf_config
         return next((int(v) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                      if (v := getattr(cfg, k, None))), None)
+
+    @property
+    def _mtp_from(self) -> Optional[int]:
+        """The first HF layer index of the trainer's MTP layers (None: it has none)."""
+        if not getattr(self, "models", None):
+            return None
+        from mega_async.bridge import bridge_for
+
+        b = bridge_for(self.models)
+        return b.num_layers if b.mtp_layers else None
 
     def _verified(self) -> Optional[list[str]]:
         """Rank 0: the servers a verify checks: those of this push that are still up (None: every server)."""
@@ -156,7 +167,7 @@ class Verification:
                                    self.timeout + SLACK_S, "/server_info") if replies else []
         except Exception as e:  # noqa: BLE001
             raise SyncError(f"verify_sync: /server_info failed: {type(e).__name__}: {e}") from e
-        plan = DigestPlan(self.num_experts, self._flavors)
+        plan = DigestPlan(self.num_experts, self._flavors, self._mtp_from)
         for (address, reply), info in zip(replies, infos):
             why = _not_rebuilt(reply, info)
             if why:
@@ -378,8 +389,9 @@ class DigestPlan:
     """Rank 0, one verify: the trainer's digest for every server rank to compare, fed the trainer's tensors once.
     Ranks that report the same tensor names and hold them alike (dtype, hash) share one digest."""
 
-    def __init__(self, num_experts: Optional[int], flavors: dict):
+    def __init__(self, num_experts: Optional[int], flavors: dict, mtp_from: Optional[int] = None):
         self.num_experts = num_experts
+        self.mtp_from = mtp_from  # the trainer's MTP layers start at this HF layer: a server without them skips them
         self.flavors = flavors  # address -> Flavor, kept across verifies
         self.servers: list[tuple[str, dict[str, str]]] = []
         self._builders: dict[tuple, DigestBuilder] = {}
@@ -409,11 +421,19 @@ class DigestPlan:
             return  # held until every server's flavor is known (usually only the embedding comes first)
         for a, c in self.servers:
             if a in self.flavors and self._key(a, c) not in self._builders:
-                self._builders[self._key(a, c)] = DigestBuilder(c, self.flavors[a], self.num_experts)
+                self._builders[self._key(a, c)] = DigestBuilder(c, self.flavors[a], self.num_experts,
+                                                                self._skip_mtp(c))
         for early in self._early:
             for builder in self._builders.values():
                 builder.add(*early)
         self._early = []
+
+    def _skip_mtp(self, checksums: dict[str, str]) -> Optional[int]:
+        """A server that holds none of the MTP layers' tensors (a target model without its draft) is not sent them:
+        the first MTP layer, whose tensors its digest leaves out (None: none left out)."""
+        if self.mtp_from is None or any(is_mtp_hf_name(n, self.mtp_from) for n in checksums):
+            return None
+        return self.mtp_from
 
     def verdict(self, version: int) -> Optional[str]:
         """None when every compared server holds exactly the trainer's tensors; else the first server's problem."""
