@@ -261,6 +261,45 @@ def apply_cpu_patches() -> bool:
 
     clip_grads.clip_grad_by_total_norm_fp32 = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     optimizer.clip_grad_by_total_norm_fp32 = clip_grads.clip_grad_by_total_norm_fp32
+    _patch_uneven_collectives()
     _APPLIED = True
     logger.info("Megatron-Core patched for CPU/gloo (%d modules see CPU devices)", len(_MODULES))
     return True
+
+
+def _patch_uneven_collectives() -> None:
+    """The alltoall dispatcher at EP > 1 with ETP > 1 gathers (and reduce-scatters back) each rank's routed tokens
+    over the expert-TP group with per-rank sizes (`output_split_sizes`): list collectives of unequal tensors, which
+    NCCL runs and gloo refuses ("invalid tensor size"). Here they run padded to the largest size, then cut back."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_along_first_dim(input_: Any, group: Any, output_split_sizes: Any = None,
+                               use_global_buffer: bool = False) -> Any:
+        if output_split_sizes is None or group is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(x) for x in output_split_sizes]
+        top = max(sizes)
+        padded = input_.new_zeros((top, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((top * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+        return torch.cat([out[r * top: r * top + n] for r, n in enumerate(sizes)])
+
+    def reduce_scatter_along_first_dim(input_: Any, group: Any, input_split_sizes: Any = None,
+                                       use_global_buffer: bool = False) -> Any:
+        if input_split_sizes is None or group is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(x) for x in input_split_sizes]
+        top = max(sizes)
+        padded = input_.new_zeros((top * len(sizes), *input_.shape[1:]))
+        for r, part in enumerate(torch.split(input_, sizes, dim=0)):
+            padded[r * top: r * top + part.shape[0]] = part
+        out = input_.new_empty((top, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim

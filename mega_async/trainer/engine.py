@@ -100,17 +100,9 @@ class MegatronTrainEngine:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from mega_async.trainer.model import build_model
-        from mega_async.trainer.parallel import AllocationError, as_strategy
+        from mega_async.trainer.parallel import as_strategy
 
         strategy = as_strategy(allocation)
-        if strategy.etp > strategy.tp:
-            # Megatron-Core 0.16: with ep=1 expert weights join the dense gradient buffer and are reduced
-            # over DP ranks that hold different ETP shards; with ep>1 the dispatcher all-gathers tokens over
-            # ETP assuming equal (sequence-parallel) splits, which variable-length packed batches are not.
-            # Forward and HF export are exact at such layouts; training is refused rather than wrong.
-            raise AllocationError(f"training with expert TP etp={strategy.etp} larger than attention TP tp={strategy.tp} "
-                                  "is not supported by Megatron-Core 0.16 with packed batches; use etp <= tp "
-                                  "(e.g. megatron:(attn:t2|ffn:t1e2))")
         if cfg.loss not in ("ppo", "sft"):
             raise ValueError(f"EngineConfig.loss={cfg.loss!r}: use ppo or sft")
         self.cfg = cfg

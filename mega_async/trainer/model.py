@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from mega_async.bridge import mtp as mtp_plan
 
+from mega_async.trainer.mcore_fixes import apply_mcore_fixes, mark_expert_gradients
 from mega_async.trainer.parallel import as_strategy, init_parallel_state, validate_for_model
 
 logger = logging.getLogger("mega_async.trainer")
@@ -176,6 +177,8 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     bridge.fresh_mtp, bridge.mtp_asked = fresh, asked
     _configure(bridge)
     models = _build(bridge)
+    apply_mcore_fixes()
+    mark_expert_gradients(models)  # Megatron-LM#5916 on 0.16.1 (mega_async.trainer.mcore_fixes)
     if load_weights:
         if not isinstance(hf_dir_or_config, (str, os.PathLike)):
             raise ValueError("load_weights=True needs an HF directory, not an in-memory config")

@@ -1,8 +1,7 @@
 """Run under torchrun by tests/dist/test_mtp.py. forward: build the model at a layout from HF weights and run
 Megatron's MTP block in training mode through the pipeline schedule (forward only); rank 0 writes the main and MTP
 layer's logits (gathered over TP). engine: two PPO steps of the trainer engine (trainer.mtp train or freeze) on
-the synthetic RL batch; rank 0 writes the stats and the exported weights. gradnorm: one engine step's gradient
-norm (never clipped) on the synthetic batch, rank 0 writes it with the layout it ran at."""
+the synthetic RL batch; rank 0 writes the stats and the exported weights."""
 import argparse
 import json
 import os
@@ -67,11 +66,11 @@ def engine(args: argparse.Namespace) -> None:
     from engine_worker import synthetic_batch
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 
-    clip = 1e9 if args.mode == "gradnorm" else 1.0  # the norm, never clipped
+    clip = 1.0
     eng = MegatronTrainEngine(args.model, args.layout, EngineConfig.of(
         lr=args.lr, prox_logp="behavior", mtp=args.mtp, grad_clip=clip, mtp_loss_scaling_factor=args.mtp_scale))
     b = synthetic_batch()
-    stats = [eng.train_batch(b) for _ in range(1 if args.mode == "gradnorm" else 2)]
+    stats = [eng.train_batch(b) for _ in range(2)]
     weights = {k: v.contiguous() for k, v in eng.export_hf_weights()}
     if dist.get_rank() == 0:
         from megatron.core import parallel_state as mpu
@@ -82,14 +81,13 @@ def engine(args: argparse.Namespace) -> None:
                   "etp": mpu.get_expert_tensor_parallel_world_size()}
         with open(f"{args.out}/stats.json", "w") as f:
             json.dump({"stats": stats, "layout": layout}, f)
-        if args.mode == "engine":
-            save_file(weights, f"{args.out}/weights.safetensors")
+        save_file(weights, f"{args.out}/weights.safetensors")
     destroy_parallel_state()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["forward", "engine", "gradnorm"])
+    ap.add_argument("mode", choices=["forward", "engine"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--layout", required=True)
     ap.add_argument("--out", required=True)

@@ -54,11 +54,14 @@ def test_validate_against_model_names_both_numbers():
         validate_for_model(ParallelStrategy(dp=2, ep=2), dense)
 
 
-def test_engine_refuses_expert_tp_above_attention_tp():
-    from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
+def test_expert_tp_above_attention_tp_is_a_layout_the_trainer_takes():
+    """ETP > TP trains exactly since mcore_fixes' expert marking (tests/dist/test_layout_parity.py: (2,1,4),
+    (1,2,2)); Megatron-Core 0.16.1 alone reduced those experts over the wrong group, which was refused here."""
+    from mega_async.api.allocation import parse_allocation
 
-    with pytest.raises(AllocationError, match="etp=2 larger than attention TP tp=1"):
-        MegatronTrainEngine("unused", "megatron:(attn:d2|ffn:t2)", EngineConfig())
+    s = parse_allocation("megatron:(attn:d2t2|ffn:t4)").train
+    assert (s.tp, s.ep, s.etp, s.edp, s.world_size) == (2, 1, 4, 1, 4)
+    validate_for_model(s, AutoConfig.from_pretrained(TINY_MOE))
 
 
 def test_duplicate_role_names_are_rejected():
