@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from mega_async.utils.comm import PORT_ATTEMPTS, free_port, listens, lost_the_port, output_since, port_free
 from mega_async.inference.sglang import cpu as sglang_cpu
@@ -100,6 +100,28 @@ def release_problem(installed: Optional[str], python: str, allow: bool = False) 
         return None
     return (f"inference.backend=sglang: {why}: install a tested release (pip install -e .[gpu]) or set "
             "inference.allow_untested_sglang=true to launch it anyway")
+
+
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
+
+
+def run_server_spec(cfg: Any, *, num_servers: int, host: str, tp: int, ep: int, dp_attention: int = 1,
+                    api_key: Optional[str] = None, weights_root: Optional[str] = None,
+                    base_gpu_id: Optional[int] = None, device: Optional[str] = None,
+                    num_threads: Optional[int] = None, model_path: Optional[str] = None) -> ServerSpec:
+    """The one ServerSpec of a run's servers, for both launchers (this host's `InferenceService` and the Slurm
+    job's renderer): what the run's config asks of every server (backend, model, dtype, seed, radix cache,
+    inference.extra_args, SGLang's --enable-return-routed-experts when the run collects routes); the launcher
+    gives where and how wide (count, host, TP/EP, DP attention, GPUs, threads, the key or its placeholder)."""
+    inf = cfg.inference
+    extra = list(inf.extra_args)
+    if (cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay) and ROUTED_EXPERTS_FLAG not in extra:
+        extra.append(ROUTED_EXPERTS_FLAG)
+    return ServerSpec(inf.backend, model_path or str(cfg.model.path), num_servers=num_servers, host=host,
+                      api_key=api_key, tp_size=tp, ep_size=ep, dp_size=dp_attention,
+                      enable_dp_attention=dp_attention > 1, dtype=cfg.model.dtype, seed=cfg.seed, extra_args=extra,
+                      allow_untested_sglang=inf.allow_untested_sglang, radix_cache=inf.radix_cache,
+                      weights_root=weights_root, base_gpu_id=base_gpu_id, device=device, num_threads=num_threads)
 
 
 def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:

@@ -82,13 +82,6 @@ def _first_free_gpu(cfg: RunConfig) -> Optional[int]:
 
 
 
-def _extra_args(cfg: Any) -> list[str]:
-    """inference.extra_args, plus SGLang's --enable-return-routed-experts when the run collects routes."""
-    args = list(cfg.inference.extra_args)
-    flag = "--enable-return-routed-experts"
-    if (cfg.rollout.return_routed_experts or cfg.algorithm.routing_replay) and flag not in args:
-        args.append(flag)
-    return args
 
 class InferenceService:
     """Servers plus client. `engine` is what the rollout layer calls (`agenerate`, pause/continue)."""
@@ -114,7 +107,7 @@ class InferenceService:
         from transformers import AutoConfig, AutoTokenizer
 
         from mega_async.inference.client import SGLangClient
-        from mega_async.inference.servers import ServerLauncher, ServerSpec
+        from mega_async.inference.servers import ServerLauncher, run_server_spec
         from mega_async.bridge.model_cards import ensure_weights
 
         n, tp, ep = server_layout(cfg)
@@ -134,15 +127,11 @@ class InferenceService:
         addresses = list(inf.addresses)
         if not addresses:
             gpu = _first_free_gpu(cfg) if inf.backend == "sglang" else None
-            spec = ServerSpec(inf.backend, model, num_servers=n, host=_server_host(), api_key=api_key(cfg),
-                              tp_size=tp, ep_size=ep,
-                              dtype=cfg.model.dtype, seed=cfg.seed, extra_args=_extra_args(cfg),
-                              allow_untested_sglang=inf.allow_untested_sglang, radix_cache=inf.radix_cache,
-                              weights_root=str(weights_root) if weights_root else None,
-                              base_gpu_id=gpu,
-                              # no GPU here: real SGLang's CPU engine (mega_async.inference.sglang.cpu)
-                              device="cpu" if inf.backend == "sglang" and gpu is None else None,
-                              num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))
+            spec = run_server_spec(cfg, num_servers=n, host=_server_host(), tp=tp, ep=ep, api_key=api_key(cfg),
+                                   weights_root=str(weights_root) if weights_root else None, base_gpu_id=gpu,
+                                   # no GPU here: real SGLang's CPU engine (mega_async.inference.sglang.cpu)
+                                   device="cpu" if inf.backend == "sglang" and gpu is None else None,
+                                   num_threads=max(1, int((os.cpu_count() or 1) * cpu_share) // n))
             self.launcher = ServerLauncher(spec, log_dir=str(cfg.run_dir / "server_logs"))
             addresses = self.launcher.start()
         self.addresses = addresses

@@ -156,3 +156,34 @@ def test_the_resume_hint_names_what_works_where_the_run_is(tmp_path, monkeypatch
     assert _resume_hint(tmp_path) == "; last checkpoint step_3: continue with --resume"
     monkeypatch.setenv("SLURM_JOB_ID", "42")
     assert "trainer.resume=auto" in _resume_hint(tmp_path) and "--resume" not in _resume_hint(tmp_path)
+
+
+def test_both_launchers_build_one_server_command(capsys, tmp_path, monkeypatch):
+    """The Slurm job's server lines come from the builder this host's launcher uses (`run_server_spec`): routing
+    replay's --enable-return-routed-experts reaches the job's servers (before: the first rollout failed with
+    "routed_experts were asked for but not returned"), and a server's argv is the local one with the job's
+    placeholders for host, port and key."""
+    from mega_async.api.config_load import load_config
+    from mega_async.inference.servers import run_server_spec, server_command
+    from mega_async.launch.slurm.plan import plan_job
+    from mega_async.launch.slurm.render import server_argv
+
+    recipe = "qwen3_30b_a3b_gsm8k_2x8.yaml"
+    rc, script, err = dry_run(capsys, recipe, "algorithm.routing_replay=true")
+    assert rc == 0, err
+    lines = re.findall(r"sglang\.launch_server .*", script)
+    assert lines and all("--enable-return-routed-experts" in line for line in lines)
+    rc, script, err = dry_run(capsys, recipe)
+    assert "--enable-return-routed-experts" not in script
+    cfg = load_config(str(ROOT / "configs" / recipe), ["algorithm.routing_replay=true"])
+    from transformers import AutoConfig
+
+    plan = plan_job(cfg.allocation(), cfg.launch.nodes, cfg.launch.gpus_per_node, backend=cfg.inference.backend,
+                    hf_config=AutoConfig.from_pretrained(cfg.model.path), dtype=cfg.model.dtype,
+                    gpu_memory_gib=cfg.launch.gpu_memory_gib)
+    s = plan.servers[0]
+    local = server_command(run_server_spec(cfg, num_servers=len(plan.servers), host="__HOST__", tp=s.gpus, ep=s.ep,
+                                           dp_attention=s.dp_attention,
+                                           model_path=str(Path(cfg.model.path).resolve())), "__PORT__", 0)
+    job = server_argv(plan, cfg, 0, tmp_path)
+    assert job[: len(local)] == local, (job, local)

@@ -92,7 +92,10 @@ def test_routes_need_servers_that_return_them():
         with pytest.raises(ConfigError, match="inference.backend=simulated has none"):
             load_config(None, [key, "inference.backend=simulated"])
     cfg = load_config(None, ["algorithm.routing_replay=true"])
-    from mega_async.inference.service import _extra_args
+    from mega_async.inference.servers import run_server_spec
 
-    assert "--enable-return-routed-experts" in _extra_args(cfg)  # servers the run launches return them
-    assert "--enable-return-routed-experts" not in _extra_args(load_config(None, []))
+    def extra(c):
+        return run_server_spec(c, num_servers=1, host="h", tp=1, ep=1).extra_args
+
+    assert "--enable-return-routed-experts" in extra(cfg)  # servers the run launches return them
+    assert "--enable-return-routed-experts" not in extra(load_config(None, []))

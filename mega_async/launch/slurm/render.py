@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mega_async.api.config import RunConfig
-from mega_async.inference.servers import ServerSpec, server_command
+from mega_async.inference.servers import run_server_spec, server_command
 from mega_async.launch.slurm.plan import JobPlan
 
 LAUNCH_DIR = Path(__file__).resolve().parent / "templates"  # shipped in the package; launch/slurm links here
@@ -39,13 +39,11 @@ def server_argv(plan: JobPlan, cfg: RunConfig, index: int, run_dir: Path) -> lis
     s = plan.servers[index]
     embedded = plan.backend == "embedded"
     key = os.environ.get(cfg.inference.api_key_env) if getattr(cfg.inference, "api_key_env", None) else None
-    spec = ServerSpec(plan.backend, str(Path(cfg.model.path).resolve()), num_servers=len(plan.servers), host="__HOST__",
-                      tp_size=s.gpus, ep_size=s.ep, dtype=cfg.model.dtype, seed=cfg.seed,
-                      api_key="__API_KEY__" if key else None, extra_args=[] if embedded else list(cfg.inference.extra_args),
-                      weights_root=str(run_dir / "weights") if embedded else None,
-                      radix_cache=getattr(cfg.inference, "radix_cache", None),
-                      dp_size=s.dp_attention, enable_dp_attention=s.dp_attention > 1,
-                      num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None)
+    spec = run_server_spec(cfg, num_servers=len(plan.servers), host="__HOST__", tp=s.gpus, ep=s.ep,
+                           dp_attention=s.dp_attention, api_key="__API_KEY__" if key else None,
+                           model_path=str(Path(cfg.model.path).resolve()),
+                           weights_root=str(run_dir / "weights") if embedded else None,
+                           num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None)
     cmd = server_command(spec, "__PORT__", index)  # type: ignore[arg-type]
     if s.base_gpu and plan.gpu:
         cmd += ["--base-gpu-id", str(s.base_gpu)]
