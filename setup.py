@@ -42,7 +42,7 @@ setup(
     extras_require={
         # GPU-only packages: imported lazily, never needed on the CPU path.
         # sglang: the releases whose weight-sync protocol is tested (mega_async/api/sglang_releases.py)
-        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang>=0.5.18,<=0.5.23", "sglang-router"],
+        "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang>=0.5.18,<=0.5.23", "smg==1.13.0"],
         # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run; pydantic: the reference the
         # embedded server's lax coercions are held to (its integer-size rule changed in 2.14)
         "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",

@@ -26,6 +26,7 @@ from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa:
 from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
 from mega_async.trainer.sync import DiskWeightSync, DistributedWeightSync, RolloutSide, SyncError  # noqa: E402
 from mega_async.api.types import WeightVersion  # noqa: E402
+from tests.dist.engine_worker import synthetic_batch  # noqa: E402
 
 TIMEOUT = 60.0  # trainer.sync_timeout: every fault must be found long before it
 
@@ -39,11 +40,21 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def step(models, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # a "training step": every weight moves
-        for p in models[0].parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.dtype))
+def step(eng, seed: int, zero: bool = False, shake: bool = False) -> None:
+    """One real training step as a run takes it: the engine's PPO update (Adam at the default trainer.lr,
+    1e-5) on a synthetic batch; `zero`: every advantage 0, so the step leaves the weights as they were (as a step of
+    groups with equal rewards does). `shake` (the probe's layouts): every weight moved by 0.02 x randn instead, a
+    change the probe's logprob tolerance can see (it cannot see a real step's: test_sync_tamper.py)."""
+    if shake and not zero:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in eng.models[0].parameters():
+                p.add_(0.02 * torch.randn(p.shape, generator=g).to(p.dtype))
+        return
+    b = synthetic_batch(seed=seed)
+    if zero:
+        b["advantages"].zero_()
+    eng.train_batch(b)
 
 
 def push(sync) -> dict:
@@ -77,6 +88,7 @@ def main() -> None:
     ap.add_argument("--method", choices=["probe", "checksum"], required=True)
     ap.add_argument("--cases", required=True)
     ap.add_argument("--port", type=int, default=0, help="the first proxy's port (the next ones follow); 0: free ports")
+    ap.add_argument("--fp8", action="store_true", help="trainer.sync_weight_format=fp8_block (an FP8 card)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--logs", required=True)
     args = ap.parse_args()
@@ -98,18 +110,20 @@ def main() -> None:
         client = SGLangClient([p.address for p in proxies], version=version, health_check_interval=0.2,
                               request_timeout=120)
         result["addresses"] = client.addresses
-        kw = dict(timeout=TIMEOUT, verify=eng.compute_logprobs, verify_method=args.method)
+        kw = dict(timeout=TIMEOUT, verify=eng.compute_logprobs, verify_method=args.method,
+                  weight_format="fp8_block" if args.fp8 else "model_dtype")
         if args.sync == "disk":
             sync = DiskWeightSync(eng.models, version, RolloutSide(client), Path(args.root) / "weights",
                                   src_dir=args.model, keep=3, **kw)
         else:
             sync = DistributedWeightSync(eng.models, version, RolloutSide(client), client.addresses,
                                          bucket_bytes=64 << 10, **kw)
-        step(eng.models, 0)
+        shake = args.method == "probe"
+        step(eng, 0, shake=shake)
         result["first"] = push(sync)
         tamper = proxies[-1]
         for n, case in enumerate(args.cases.split(",")):
-            step(eng.models, n + 1)
+            step(eng, n + 1, shake=shake)
             old = str(sync.path(version.value)) if args.sync == "disk" else None
             tamper.set(case, bucket=2, old_dir=old)
             tamper.log.clear()
@@ -121,7 +135,7 @@ def main() -> None:
             # the fault-tolerance rules: a server taken out answers again, is re-admitted behind, and the next sync
             # brings it to the current version
             asyncio.run(client.probe_down())
-            step(eng.models, 100 + n)
+            step(eng, 100 + n, zero=True)  # the next sync holds unchanged weights: judged by the digest, not blamed
             out["next"] = push(sync)
             out["next"]["stats"] = {k: v for k, v in sync.last.items() if k.startswith("sync/verify")}
             asyncio.run(client.probe_down())

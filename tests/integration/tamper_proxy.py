@@ -11,7 +11,8 @@ to the server as it came (aiohttp, on its own thread), except what the current f
                   in that bucket: the server receives every byte, loads the later one twice and never the first
                   (disk: the new checkpoint with that tensor's old value)
     drop_expert   the same for every tensor of one routed expert (renamed to the next expert's, whose tensors come
-                  later in the bucket)
+                  later in the bucket; where they do not, as in an FP8 bucket, the two experts swapped, each weight
+                  with its weight_scale_inv)
     drop_bucket   disk: every tensor of one layer keeps its old value (distributed: a bucket cannot be dropped by
                   HTTP without the server leaving the broadcast: that is `ack`)
     rollback      the server is sent /rollback_weights before /continue_generation is forwarded (weights and
@@ -36,7 +37,7 @@ import aiohttp
 from aiohttp import web
 
 FAULTS = ("hold", "ack", "drop_tensor", "drop_expert", "drop_bucket", "rollback", "rollback_keep")
-_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight$")
+_EXPERT = re.compile(r"^(?P<p>.*\.experts)\.(?P<e>\d+)\.(?P<proj>\w+)\.weight(?:_scale_inv)?$")  # an FP8 scale goes with its weight
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _HOP = {"content-length", "transfer-encoding", "connection", "keep-alive", "host", "content-encoding"}
 
@@ -175,7 +176,16 @@ class TamperProxy:
                 for i in idx:
                     names[i] = names[i].replace(f"{prefix}.{e}.", f"{prefix}.{e + 1}.")
                 return names
-        raise LookupError("drop_expert: no expert of this bucket has a next one after it")
+        for (prefix, e), idx in sorted(experts.items()):  # interleaved (an FP8 bucket's weights, then its scales)
+            nxt = experts.get((prefix, e + 1))
+            if nxt and len(nxt) == len(idx):  # the two experts swapped, each weight with its own scale
+                self.log.append(f"drop_expert: {prefix}.{e} and {prefix}.{e + 1} swapped")
+                for i in idx:
+                    names[i] = names[i].replace(f"{prefix}.{e}.", f"{prefix}.{e + 1}.")
+                for i in nxt:
+                    names[i] = names[i].replace(f"{prefix}.{e + 1}.", f"{prefix}.{e}.")
+                return names
+        raise LookupError("drop_expert: no expert of this bucket has a next one in it")
 
     def _tampered_dir(self, path: str, fault: str) -> str:
         """A copy of the checkpoint at `path` with the chosen tensors' values from `old_dir`."""

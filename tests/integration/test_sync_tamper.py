@@ -7,8 +7,19 @@ commit (with or without the version claimed again). trainer.sync_timeout is 60 s
 second server, go on without the spoiled one) long before it. After each case the next sync must bring every server
 back to the current version, healthy (taken out, re-admitted behind).
 
-The default suite runs two of the eight layouts (two servers, distributed, checksum: every distributed case; one
-server, disk, probe: every disk case); the other six are `slow`.
+The trainer's steps are real ones, as a run takes them: the engine's PPO update at the default learning rate
+(1e-5, Adam), which moves a logprob by about 1e-5; the step before each clean sync leaves the weights unchanged
+(every advantage 0), so a healthy server is judged by the trainer's digest, never by "did not change". An FP8
+sync (trainer.sync_weight_format=fp8_block, a tiny DeepSeek-V3 FP8 card) swapping two experts is caught by the
+digest of the dequantized FP8 weights, naming the server and the tensors, with one server too.
+
+The default suite runs two of the layouts (two servers, distributed, checksum: every distributed case; one server,
+disk, probe: every disk case); the others are `slow`. The probe (trainer.verify_sync_method=probe, for servers that
+cannot hash their weights; not the default) is blind at the default learning rate: one step at lr 1e-5 with one
+expert left stale moved the probe's logprobs by 2.9e-6, a clean sync by 4.8e-7 to 9.5e-7, both far below any
+tolerance a bf16 server passes (at lr 1e-3 a stale layernorm still passed, and at 1e-2 the sharpened routers left
+experts the probe never selects). Its layouts move every weight by 0.02 x randn instead, where what it is for (a
+sync not applied) shows.
 """
 import json
 import os
@@ -25,14 +36,18 @@ WORKER = Path(__file__).with_name("sync_tamper_worker.py")
 DEADLINE_S = 15.0  # "within seconds": against trainer.sync_timeout=60
 DISTRIBUTED = ("ack", "hold", "drop_tensor", "drop_expert", "rollback", "rollback_keep")
 DISK = ("drop_tensor", "drop_expert", "drop_bucket", "rollback", "rollback_keep")
-LAYOUTS = [pytest.param(2, "distributed", "checksum", id="2-distributed-checksum"),
-           pytest.param(1, "disk", "probe", id="1-disk-probe"),
-           pytest.param(1, "distributed", "checksum", id="1-distributed-checksum", marks=pytest.mark.slow),
-           pytest.param(1, "distributed", "probe", id="1-distributed-probe", marks=pytest.mark.slow),
-           pytest.param(2, "distributed", "probe", id="2-distributed-probe", marks=pytest.mark.slow),
-           pytest.param(1, "disk", "checksum", id="1-disk-checksum", marks=pytest.mark.slow),
-           pytest.param(2, "disk", "checksum", id="2-disk-checksum", marks=pytest.mark.slow),
-           pytest.param(2, "disk", "probe", id="2-disk-probe", marks=pytest.mark.slow)]
+FP8 = ("drop_expert", "rollback")  # an FP8 sync's experts swapped (weights and scales), and a rollback
+slow = pytest.mark.slow
+LAYOUTS = [pytest.param(2, "distributed", "checksum", False, id="2-distributed-checksum"),
+           pytest.param(1, "disk", "probe", False, id="1-disk-probe"),
+           pytest.param(1, "distributed", "checksum", False, id="1-distributed-checksum", marks=slow),
+           pytest.param(1, "distributed", "probe", False, id="1-distributed-probe", marks=slow),
+           pytest.param(2, "distributed", "probe", False, id="2-distributed-probe", marks=slow),
+           pytest.param(1, "disk", "checksum", False, id="1-disk-checksum", marks=slow),
+           pytest.param(2, "disk", "checksum", False, id="2-disk-checksum", marks=slow),
+           pytest.param(2, "disk", "probe", False, id="2-disk-probe", marks=slow),
+           pytest.param(1, "distributed", "checksum", True, id="1-distributed-checksum-fp8", marks=slow),
+           pytest.param(2, "disk", "checksum", True, id="2-disk-checksum-fp8", marks=slow)]
 
 
 @pytest.fixture(scope="module")
@@ -41,14 +56,24 @@ def model(tmp_path_factory):
     return root, init_random_weights(TINY_MOE, root / "model", seed=3)
 
 
-@pytest.mark.parametrize("servers,sync,method", LAYOUTS)
-def test_a_spoiled_sync_is_caught_within_seconds(model, tmp_path, servers, sync, method):
-    root, card = model
-    cases = DISTRIBUTED if sync == "distributed" else DISK
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    from mega_async.bridge import fp8
+    from mega_async.bridge.model_cards import TINY_DEEPSEEK
+
+    root = tmp_path_factory.mktemp("tamper_fp8")
+    return root, fp8.write_checkpoint(init_random_weights(TINY_DEEPSEEK, root / "bf16", seed=4), root / "fp8",
+                                      (16, 16))
+
+
+@pytest.mark.parametrize("servers,sync,method,fp8", LAYOUTS)
+def test_a_spoiled_sync_is_caught_within_seconds(request, tmp_path, servers, sync, method, fp8):
+    root, card = request.getfixturevalue("fp8_model" if fp8 else "model")
+    cases = FP8 if fp8 else DISTRIBUTED if sync == "distributed" else DISK
     out = tmp_path / "result.json"
     r = subprocess.run([sys.executable, str(WORKER), "--model", str(card), "--root", str(root), "--servers",
                         str(servers), "--sync", sync, "--method", method, "--cases", ",".join(cases), "--port",
-                        "0", "--out", str(out), "--logs", str(tmp_path / "logs")],
+                        "0", "--out", str(out), "--logs", str(tmp_path / "logs"), *(["--fp8"] if fp8 else [])],
                        capture_output=True, text=True, timeout=500,
                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
     assert out.exists(), r.stderr[-5000:]

@@ -39,7 +39,8 @@ def test_param_count_of_the_published_cards():
 def test_servers_on_their_own_nodes_then_the_trainer():
     p = plan("sglang:d4t4e4+megatron:d8e8", 3, 8)
     assert [(s.nodes, s.base_gpu, s.ep) for s in p.servers] == [((0,), 0, 4), ((0,), 4, 4), ((1,), 0, 4), ((1,), 4, 4)]
-    assert p.trainer_nodes == (2,) and p.trainer_tasks_per_node == 8 and p.router
+    assert p.trainer_nodes == (2,) and p.trainer_tasks_per_node == 8
+    assert not p.router  # a router only when asked for (inference.router=smg)
     assert p.servers[0].dp_attention == 1  # tp 4 = KV heads 4: plain TP attention
     assert "driver = rank 0 on node 2" in p.describe()[-1]
 

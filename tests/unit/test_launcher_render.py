@@ -42,11 +42,16 @@ def test_recipes_validate_and_render(capsys, tmp_path, recipe):
     for line in re.findall(r"sglang\.launch_server .*", script):
         assert "--tp-size 8" in line and "--ep-size 8" in line and "--enable-dp-attention" in line
         assert "--dp-size 2" in line and "--host __HOST__ --port __PORT__" in line
-    assert ("sglang_router.launch_router" in script) == (len(servers) > 1)
-    if len(servers) > 1:  # its port picked on its node by server.sh, and waited for like a server's
-        assert re.search(r'env MA_NAME=router bash "\$LAUNCH_DIR/server.sh" "\$PYTHON" -m sglang_router.launch_router '
-                         r'--host __HOST__ --port __PORT__', script)
-        assert 'ma_wait_healthy router "$STARTUP_TIMEOUT"' in script
+    assert "sglang_router" not in script and "ma_start router" not in script  # inference.router=none: none
+    rc, script, err = dry_run(capsys, recipe, "inference.router=smg", "inference.router_args=[--policy,round_robin]")
+    assert rc == 0, err
+    bash_ok(script, tmp_path)
+    # smg, its port picked on its node by server.sh, waited for like a server's, its address handed to the trainer
+    assert re.search(r'env MA_NAME=router bash "\$LAUNCH_DIR/server.sh" smg launch --host __HOST__ --port __PORT__ '
+                     r'--worker-urls "\$\{WORKER_URLS\[@\]\}" --log-level warn --policy round_robin', script)
+    assert 'ma_wait_healthy router "$STARTUP_TIMEOUT"' in script
+    assert 'ROUTER_ARGS=(inference.router=none "inference.router_address=$ADDR"' in script
+    assert '"${ROUTER_ARGS[@]}"' in script and "sglang_router" not in script
     assert "unset MASTER_PORT" in script and "MEGA_ASYNC_MASTER_PORT_FILE=" in script
     assert f"TRAINER_FIRST_NODE={len(servers)}" in script and f"TRAINER_TASKS_PER_NODE={gpus}" in script
 

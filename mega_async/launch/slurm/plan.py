@@ -40,7 +40,7 @@ class JobPlan:
     servers: list[ServerPlacement]
     trainer_nodes: tuple[int, ...]
     trainer_world: int
-    router: bool  # sglang_router in front of several servers
+    router: bool  # smg in front of the servers (inference.router=smg), started by the job
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,7 +58,8 @@ class JobPlan:
                      else f"node {s.nodes[0]} from {'GPU' if self.gpu else 'slot'} {s.base_gpu}")
             out.append(f"server {s.index}: {s.gpus} {unit} on {where}{extra}")
         if self.router:
-            out.append(f"sglang_router on node {self.servers[0].nodes[0]} in front of {len(self.servers)} servers")
+            out.append(f"smg (inference.router=smg) on node {self.servers[0].nodes[0]} in front of "
+                       f"{len(self.servers)} server(s)")
         tn = self.trainer_nodes
         out.append(f"trainer: {self.trainer_world} ranks ({self.trainer_tasks_per_node} per node) on "
                    f"node{'s' if len(tn) > 1 else ''} {tn[0]}{f'-{tn[-1]}' if len(tn) > 1 else ''}; "
@@ -67,8 +68,9 @@ class JobPlan:
 
 
 def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str, hf_config: Any = None,
-             dtype: str = "bfloat16", gpu_memory_gib: float = 80.0) -> JobPlan:
-    """Place the allocation on `nodes` x `gpus_per_node`; raises LaunchError naming what does not fit."""
+             dtype: str = "bfloat16", gpu_memory_gib: float = 80.0, router: bool = False) -> JobPlan:
+    """Place the allocation on `nodes` x `gpus_per_node`; raises LaunchError naming what does not fit. `router`:
+    the job starts smg in front of the servers (inference.router=smg)."""
     if nodes < 1 or gpus_per_node < 1:
         raise LaunchError(f"--nodes={nodes} and --gpus-per-node={gpus_per_node} must both be >= 1")
     if alloc.inference is None or alloc.trainer is None:
@@ -96,7 +98,7 @@ def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str,
             raise LaunchError(f"{alloc.source} needs {need} {unit} ({n_srv} x {tp} for the servers + {world} for the "
                               f"trainer) but 1 node x {gpus_per_node} has {total}: set --gpus-per-node {need}")
         servers = [ServerPlacement(i, (0,), tp, world + i * tp, inf.ep, dp_attn) for i in range(n_srv)]
-        return JobPlan(1, gpus_per_node, gpu, backend, servers, (0,), world, gpu and n_srv > 1)
+        return JobPlan(1, gpus_per_node, gpu, backend, servers, (0,), world, router)
     servers, server_nodes = _place_servers(n_srv, tp, inf.ep, dp_attn, gpus_per_node, unit)
     if world % gpus_per_node:
         raise LaunchError(f"trainer part megatron:{alloc.train} has {world} ranks, not whole nodes of {gpus_per_node} "
@@ -106,8 +108,7 @@ def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str,
         raise LaunchError(f"{alloc.source} takes {server_nodes + t_nodes} nodes of {gpus_per_node} {unit} "
                           f"({server_nodes} for {n_srv} server(s), {t_nodes} for the trainer) but --nodes={nodes}: "
                           f"pass --nodes {server_nodes + t_nodes} or change parallel.allocation")
-    return JobPlan(nodes, gpus_per_node, gpu, backend, servers, tuple(range(server_nodes, nodes)), world,
-                   gpu and n_srv > 1)
+    return JobPlan(nodes, gpus_per_node, gpu, backend, servers, tuple(range(server_nodes, nodes)), world, router)
 
 
 def _place_servers(n: int, tp: int, ep: int, dp_attn: int, g: int, unit: str) -> tuple[list[ServerPlacement], int]:

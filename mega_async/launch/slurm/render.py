@@ -68,18 +68,26 @@ def _server_lines(plan: JobPlan, cfg: RunConfig, run_dir: Path) -> list[str]:
     return out
 
 
-def _router_lines(plan: JobPlan) -> list[str]:
+def _router_lines(plan: JobPlan, cfg: RunConfig) -> list[str]:
+    """inference.router=smg: the job starts smg on the first server node in front of every server (as this host's
+    launcher does for a local run), waits for it, and hands the trainer its address (ROUTER_ARGS) so rank 0
+    starts none of its own. smg, not sglang_router: sglang-router drops routed experts and answers SGLang's RL
+    control routes 404 (docs/inference.md)."""
     if not plan.router:
-        return []
+        return ['ROUTER_ARGS=()']
     first = plan.servers[0].nodes[0]
+    smg = _q(cfg.inference.router_bin or "smg")
+    extra = " ".join(_q(a) for a in cfg.inference.router_args)
     return [  # through server.sh: its port picked on its node, started again if that port is taken first
         f'ROUTER_NODE=${{NODES[{first}]}}',
         'WORKER_URLS=(); for a in "${ADDRESSES[@]}"; do WORKER_URLS+=("http://$a"); done',
         'ma_start router "$RUN_DIR/logs/router.log" "$ROUTER_NODE" --nodes=1 --ntasks=1 --nodelist="$ROUTER_NODE" -- \\',
-        '  env MA_NAME=router bash "$LAUNCH_DIR/server.sh" "$PYTHON" -m sglang_router.launch_router --host __HOST__ '
-        '--port __PORT__ --worker-urls "${WORKER_URLS[@]}"',
+        f'  env MA_NAME=router bash "$LAUNCH_DIR/server.sh" {smg} launch --host __HOST__ --port __PORT__ '
+        f'--worker-urls "${{WORKER_URLS[@]}}" --log-level warn{" " + extra if extra else ""}',
         'ma_wait_healthy router "$STARTUP_TIMEOUT" "$SECONDS"',
-        'ma_log "sglang_router at $ADDR in front of ${#ADDRESSES[@]} servers"',
+        'ma_log "smg at $ADDR in front of ${#ADDRESSES[@]} servers"',
+        'ROUTER_ARGS=(inference.router=none "inference.router_address=$ADDR" "inference.router_args=[]" '
+        'inference.router_bin=null)',
     ]
 
 
@@ -104,7 +112,7 @@ def render_job(plan: JobPlan, cfg: RunConfig, train_args: Sequence[str], *, work
         "PLAN": "\n".join(f"#   {line}" for line in plan.describe()),
         "VARS": "\n".join(var_lines),
         "SERVERS": "\n".join(_server_lines(plan, cfg, run_dir)),
-        "ROUTER": "\n".join(_router_lines(plan)),
+        "ROUTER": "\n".join(_router_lines(plan, cfg)),
     }
     for k, v in parts.items():
         text = text.replace("{{" + k + "}}", v)

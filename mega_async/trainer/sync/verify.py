@@ -143,7 +143,7 @@ class Verification:
         if not from_rank0(plan is not None and bool(plan.servers), self.group):
             return None
         try:
-            for name, t in export_hf_weights(self.models):
+            for name, t in self._as_servers_hold(export_hf_weights(self.models)):
                 if plan is not None:
                     plan.add(name, t)
             verdict = plan.verdict(self.version.value) if plan is not None else None
@@ -153,15 +153,24 @@ class Verification:
             verdict = f"computing the trainer's digest failed: {type(e).__name__}: {e}"
         return from_rank0(verdict, self.group)
 
+    def _as_servers_hold(self, named: Any) -> Any:
+        """The trainer's tensors as a server holds them after this sync: an FP8 sync's weights went out quantized
+        (the same blocks and formula as `_fp8_bucket` and the disk export), and a server started on an FP8
+        checkpoint dequantizes each weight with its scale (`server.weights.updates_dequantized`), so the digest
+        is of dequant(quant(w)), bit for bit what it holds."""
+        if self.fp8_block is None:
+            return named
+        from mega_async.bridge import bridge_for, fp8
+
+        skip = fp8.skipped_modules(bridge_for(self.models).hf_config)
+        return fp8.dequantize_named(fp8.quantize_named(named, self.fp8_block, skip), self.fp8_block)
+
     def _digest_plan(self) -> Optional["DigestPlan"]:
         """Rank 0: the servers (and ranks) whose checksums can be compared with a digest the trainer rebuilds."""
         replies = getattr(self, "_replies", None) or []
         if not replies:
             return None
         skipped: list[str] = []
-        if self.fp8_block is not None:
-            skipped.append("all (an FP8 sync: the servers hold quantized weights the digest does not rebuild)")
-            replies = []
         try:
             infos = self._loop.run(self.rollout.client.server_info(self.timeout, [a for a, _ in replies]),
                                    self.timeout + SLACK_S, "/server_info") if replies else []
@@ -169,7 +178,7 @@ class Verification:
             raise SyncError(f"verify_sync: /server_info failed: {type(e).__name__}: {e}") from e
         plan = DigestPlan(self.num_experts, self._flavors, self._mtp_from)
         for (address, reply), info in zip(replies, infos):
-            why = _not_rebuilt(reply, info)
+            why = _not_rebuilt(reply, info, self.fp8_block is not None)
             if why:
                 skipped.append(f"{address} ({why})")
                 continue
@@ -369,9 +378,14 @@ def _probe_batch(probes: list) -> dict[str, torch.Tensor]:
     return b
 
 
-def _not_rebuilt(reply: dict, info: dict) -> Optional[str]:
+def _not_rebuilt(reply: dict, info: dict, fp8_sync: bool = False) -> Optional[str]:
     """Why a server's checksums cannot be rebuilt by the trainer (None: they can): each rank must hold the whole
-    model (tp, pp, ep, attention-DP of 1), as the embedded server and a one-GPU SGLang server do."""
+    model (tp, pp, ep, attention-DP of 1), as the embedded server and a one-GPU SGLang server do; after an FP8
+    sync it must hold the weights dequantized (the embedded server does; SGLang's FP8 engine keeps the FP8 bytes
+    and re-lays its scales for its kernels, which the digest does not rebuild)."""
+    if fp8_sync and any(n.endswith("_scale_inv") for r in reply.get("ranks") or []
+                        for n in (r.get("checksums") or {})):
+        return "it holds FP8 weights and their scales as its kernels lay them out: not rebuilt"
     for r in reply.get("ranks") or []:
         pis = r.get("parallelism_info")
         for pi in pis if isinstance(pis, list) else [pis]:
