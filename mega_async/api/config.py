@@ -331,6 +331,10 @@ class TrainerConfig:
     max_tokens_per_mb: int = 4096
     ppo_n_minibatches: int = 1
     save_interval: int = 0  # steps between checkpoints (<run_dir>/checkpoints/step_<N>); 0 = only at the end
+    # also a checkpoint after the first step that ends this many minutes (wall clock, rank 0's) after the last one
+    # or the start: a long run on a cluster loses at most about this much to a crash or a pre-emption whose
+    # warning is too short to write one; 0 = off
+    save_every_minutes: float = 0.0
     keep_checkpoints: int = 2  # newest complete checkpoints kept
     # every this many steps, and after the last, the trained weights as an HF directory (<run_dir>/hf_snapshots/
     # step_<S>, S the 0-based step just done as in metrics.jsonl; all kept: the tiny card's are ~1 MB), to score
@@ -400,6 +404,7 @@ class TrainerConfig:
         _positive("trainer.max_tokens_per_mb", self.max_tokens_per_mb)
         _positive("trainer.ppo_n_minibatches", self.ppo_n_minibatches)
         _positive("trainer.save_interval", self.save_interval, allow_zero=True)
+        _positive("trainer.save_every_minutes", self.save_every_minutes, allow_zero=True)
         _positive("trainer.keep_checkpoints", self.keep_checkpoints)
         _positive("trainer.hf_snapshot_interval", self.hf_snapshot_interval, allow_zero=True)
         _positive("trainer.hf_snapshot_keep", self.hf_snapshot_keep, allow_zero=True)

@@ -1,7 +1,7 @@
-"""When a run saves and what it leaves: the checkpoint cadence (`trainer.save_interval`, the last step), the
-pre-emption vote (any rank asked to stop: checkpoint, then Preempted), the resume (a checkpoint's weights to the
-servers, its rollouts to the executor), the HF snapshots (`trainer.hf_snapshot_interval`) and the final export
-(`<run_dir>/final_hf`)."""
+"""When a run saves and what it leaves: the checkpoint cadence (`trainer.save_interval`, `save_every_minutes`, the
+last step), the pre-emption vote (any rank asked to stop: checkpoint, then Preempted), the resume (a checkpoint's
+weights to the servers, its rollouts to the executor), the HF snapshots (`trainer.hf_snapshot_interval`) and the
+final export (`<run_dir>/final_hf`)."""
 from __future__ import annotations
 
 import logging
@@ -35,6 +35,7 @@ class Checkpointer:
         self.head: Any = None
         self.start = 0
         self.preempted: Optional[Preempted] = None
+        self._saved_at = time.monotonic()  # rank 0's clock at the start or the last checkpoint (save_every_minutes)
 
     def resume_point(self, rank0: bool, world: int, checked: bool) -> Optional[Path]:
         """The checkpoint to continue from (`trainer.resume`), on every rank. Rank 0 checks it whole first (unless
@@ -82,11 +83,21 @@ class Checkpointer:
         last = step == t.total_steps - 1
         if t.hf_snapshot_interval and ((step + 1) % t.hf_snapshot_interval == 0 or last):
             self._snapshot(step)
-        if stop or last or (t.save_interval and (step + 1) % t.save_interval == 0):
+        if stop or last or (t.save_interval and (step + 1) % t.save_interval == 0) or self._clock_due():
             path = self._save(step)
+            self._saved_at = time.monotonic()
             if stop:
                 self.preempted = Preempted(step, path)
         return stop
+
+    def _clock_due(self) -> bool:
+        """trainer.save_every_minutes have passed since the start or the last checkpoint, by rank 0's clock (every
+        rank hears its answer: the save is collective)."""
+        minutes = self.cfg.trainer.save_every_minutes
+        if not minutes:
+            return False
+        due = rank() == 0 and time.monotonic() - self._saved_at >= 60.0 * minutes
+        return bool(from_rank0(due, self.group))
 
     def _snapshot(self, step: int) -> None:
         """The weights after `step` as an HF directory, `<run_dir>/hf_snapshots/step_<step>` (every rank takes part;

@@ -177,3 +177,26 @@ def test_reset_run_dir_cuts_metrics_ledger_and_timeline_back_to_the_checkpoint(t
     assert not (tmp_path / "checkpoints" / "step_00000004.partial").exists()
     reset_run_dir(tmp_path, None)  # a fresh start: the timeline of a run that never checkpointed goes too
     assert (tmp_path / "events.jsonl").read_text() == ""
+
+
+def test_checkpoints_follow_the_wall_clock_cadence(monkeypatch):
+    """trainer.save_every_minutes: a checkpoint after the first step that ends that long after the start or the last
+    one (rank 0's clock), beside save_interval and the last step; 0 leaves the cadence to steps alone."""
+    from mega_async.api.config_load import load_config
+    from mega_async.run import checkpointer as ck
+
+    now = [1000.0]
+    monkeypatch.setattr(ck.time, "monotonic", lambda: now[0])
+    cfg = load_config("configs/tiny_cpu.yaml", ["trainer.total_steps=100", "trainer.save_every_minutes=30"])
+    c = ck.Checkpointer(cfg)
+    saved = []
+    monkeypatch.setattr(c, "_save", lambda step: saved.append(step) or f"step_{step}")
+    for step, minutes in ((0, 10), (1, 29), (2, 31), (3, 45), (4, 62), (5, 90)):
+        now[0] = 1000.0 + 60 * minutes
+        assert c.after_step(step) is False
+    assert saved == [2, 4]  # 31 min after the start; 62 is 31 after that one; 90 only 28 after 62
+    off = ck.Checkpointer(load_config("configs/tiny_cpu.yaml", ["trainer.total_steps=100"]))
+    monkeypatch.setattr(off, "_save", lambda step: saved.append(step))
+    now[0] += 10 ** 6
+    off.after_step(7)
+    assert saved == [2, 4]
