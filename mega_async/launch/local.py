@@ -133,9 +133,12 @@ class PreemptFlag:
 
     def __init__(self) -> None:
         self.requested = False
+        self.at: Optional[float] = None  # time.monotonic() when the signal came (the deadline counts from it)
         signal.signal(PREEMPT_SIGNAL, self._set)
 
     def _set(self, signum: int, frame: object) -> None:
+        if not self.requested:
+            self.at = time.monotonic()
         self.requested = True
 
     def __call__(self) -> bool:

@@ -21,7 +21,8 @@ class Preempted(Exception):
     """The run stopped at a step boundary on request (Slurm's pre-emption signal) after writing a checkpoint."""
 
     def __init__(self, step: int, checkpoint: Any):
-        super().__init__(f"preempted after step {step}; checkpoint {checkpoint}; continue with --resume")
+        super().__init__(f"preempted after step {step}; checkpoint {checkpoint}; continue with --resume"
+                         if checkpoint is not None else f"preempted after step {step}; no checkpoint was written")
         self.step, self.checkpoint = step, checkpoint
 
 
@@ -36,6 +37,8 @@ class Checkpointer:
         self.start = 0
         self.preempted: Optional[Preempted] = None
         self._saved_at = time.monotonic()  # rank 0's clock at the start or the last checkpoint (save_every_minutes)
+        self._save_s: Optional[float] = None  # how long this run's last checkpoint took to write
+        self._last_path: Any = None
 
     def resume_point(self, rank0: bool, world: int, checked: bool) -> Optional[Path]:
         """The checkpoint to continue from (`trainer.resume`), on every rank. Rank 0 checks it whole first (unless
@@ -83,12 +86,37 @@ class Checkpointer:
         last = step == t.total_steps - 1
         if t.hf_snapshot_interval and ((step + 1) % t.hf_snapshot_interval == 0 or last):
             self._snapshot(step)
+        if stop and not last:
+            skip = from_rank0(self._no_time_to_save(step) if rank() == 0 else None, self.group)
+            if skip is not None:  # the checkpoint could not finish before the deadline: the last one stands
+                logger.warning("%s", skip)
+                self.preempted = Preempted(step, self._last_path)
+                return stop
         if stop or last or (t.save_interval and (step + 1) % t.save_interval == 0) or self._clock_due():
+            t0 = time.monotonic()
             path = self._save(step)
             self._saved_at = time.monotonic()
+            self._save_s, self._last_path = self._saved_at - t0, path
             if stop:
                 self.preempted = Preempted(step, path)
         return stop
+
+    def _no_time_to_save(self, step: int) -> Optional[str]:
+        """Rank 0, pre-empted: one line when a checkpoint would not finish before the warning's deadline
+        (launch.preempt_signal_s after the signal came), judged by how long this run's last checkpoint took; None
+        to write it (also when none was measured yet: nothing to judge by)."""
+        if self._save_s is None:
+            return None
+        window = float(self.cfg.launch.preempt_signal_s)
+        at = getattr(self.stop_requested, "at", None)
+        left = window - (time.monotonic() - at) if at is not None else window
+        need = 1.1 * self._save_s + 5.0
+        if need <= left:
+            return None
+        return (f"pre-empted after step {step}: no checkpoint started, as the last one took {self._save_s:.0f}s and "
+                f"{max(left, 0):.0f}s remain of the launch.preempt_signal_s={window:g}s warning; the run continues "
+                f"from {self._last_path or 'the start (no checkpoint yet)'} (lower trainer.save_every_minutes, or "
+                "raise launch.preempt_signal_s)")
 
     def _clock_due(self) -> bool:
         """trainer.save_every_minutes have passed since the start or the last checkpoint, by rank 0's clock (every

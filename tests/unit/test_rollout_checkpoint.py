@@ -200,3 +200,46 @@ def test_checkpoints_follow_the_wall_clock_cadence(monkeypatch):
     now[0] += 10 ** 6
     off.after_step(7)
     assert saved == [2, 4]
+
+
+def test_a_preemption_never_starts_a_checkpoint_it_cannot_finish_before_the_deadline(monkeypatch, caplog):
+    """On the pre-emption signal the run checkpoints at the step boundary, unless this run's last checkpoint took
+    longer than what is left of launch.preempt_signal_s since the signal: then it starts none and says so in one
+    line (the last one stands; a write cut off by the job's end would be lost anyway)."""
+    import logging
+
+    from mega_async.api.config_load import load_config
+    from mega_async.run import checkpointer as ck
+
+    now = [5000.0]
+    monkeypatch.setattr(ck.time, "monotonic", lambda: now[0])
+
+    class Signal:
+        requested, at = False, None
+
+        def __call__(self):
+            return self.requested
+
+    sig = Signal()
+    cfg = load_config("configs/tiny_cpu.yaml", ["trainer.total_steps=100", "trainer.save_interval=2",
+                                                "launch.preempt_signal_s=300"])
+    c = ck.Checkpointer(cfg, stop_requested=sig)
+    saved = []
+
+    def save(step):  # a checkpoint that takes 120 s
+        now[0] += 120
+        saved.append(step)
+        return f"step_{step}"
+
+    monkeypatch.setattr(c, "_save", save)
+    assert c.after_step(1) is False and saved == [1]
+    sig.requested, sig.at = True, now[0] - 100  # 200 s left: 1.1 x 120 + 5 fits
+    assert c.after_step(2) is True and saved == [1, 2] and str(c.preempted).endswith("checkpoint step_2; continue "
+                                                                                     "with --resume")
+    sig.at = now[0] - 250  # 50 s left
+    with caplog.at_level(logging.WARNING, logger="mega_async"):
+        assert c.after_step(3) is True
+    assert saved == [1, 2]
+    line = [r.getMessage() for r in caplog.records if "pre-empted after step 3" in r.getMessage()]
+    assert line and "no checkpoint started, as the last one took 120s and 50s remain" in line[0], line
+    assert "\n" not in line[0] and str(c.preempted) == "preempted after step 3; checkpoint step_2; continue with --resume"
