@@ -28,6 +28,9 @@ OLDEST_TESTED = (0, 5, 18)
 NEWEST_TESTED = (0, 5, 23)
 SESSIONS_SINCE = (0, 5, 21)  # begin/end_weight_update required around distributed and tensor updates
 ALIGNED_BUCKETS_SINCE = (0, 5, 23)  # a flattened bucket's tensors must start at multiples of their dtype's size
+# `--attn-dp-size N` (0.5.23's server_args; `--dp-size N --enable-dp-attention` deprecated there, removal announced
+# for after 2026-12-31); 0.5.20 knows only the old spelling. Releases between were not read: the old spelling.
+ATTN_DP_SIZE_SINCE = (0, 5, 23)
 MIRRORED_DEFAULT = "0.5.23"  # the release the embedded server mirrors unless told otherwise
 TESTED_RANGE = f"{'.'.join(map(str, OLDEST_TESTED))}..{'.'.join(map(str, NEWEST_TESTED))}"
 SELECTORS = ("target", "draft", "all")
@@ -142,3 +145,12 @@ def session_refusal(op: str) -> str:
 
 BEGIN_TWICE = "a weight-update session is already open; call end_weight_update() first"
 END_WITHOUT_BEGIN = "no weight-update session is open; call begin_weight_update() first"
+
+
+def dp_attention_args(release: Any, size: int) -> list[str]:
+    """SGLang's flags for DP attention of `size` ranks, in the spelling of `release` (None: not known, the spelling
+    every tested release accepts)."""
+    v = parse_version(release)
+    if v is not None and v >= ATTN_DP_SIZE_SINCE:
+        return ["--attn-dp-size", str(size)]
+    return ["--dp-size", str(size), "--enable-dp-attention"]

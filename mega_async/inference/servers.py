@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from mega_async.api.sglang_releases import dp_attention_args
 from mega_async.utils.comm import PORT_ATTEMPTS, free_port, listens, lost_the_port, output_since, port_free
 from mega_async.inference.sglang import cpu as sglang_cpu
 from mega_async.inference.sglang.cpu import engine_python
@@ -60,6 +61,7 @@ class ServerSpec:
     device: Optional[str] = None  # real SGLang: "cpu" on a machine without a GPU (mega_async.inference.sglang.cpu)
     radix_cache: Optional[bool] = None  # None: the backend's default (embedded on; real SGLang off, as AReaL)
     python: Optional[str] = None  # real SGLang's interpreter; None: engine_python() (this one when it has SGLang)
+    release: Optional[str] = None  # real SGLang's release, where known: the flags' spelling (`dp_attention_args`)
 
 
 def installed_sglang(python: str) -> Optional[str]:
@@ -71,6 +73,14 @@ def installed_sglang(python: str) -> Optional[str]:
     try:
         return version("sglang")
     except PackageNotFoundError:
+        return None
+
+
+def sglang_release(python: Optional[str] = None) -> Optional[str]:
+    """The SGLang release of `python` (else engine_python()), None when it has none or cannot be asked."""
+    try:
+        return installed_sglang(python or engine_python())
+    except Exception:  # noqa: BLE001 - a probe that fails: the spelling every tested release accepts
         return None
 
 
@@ -108,7 +118,8 @@ ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 def run_server_spec(cfg: Any, *, num_servers: int, host: str, tp: int, ep: int, dp_attention: int = 1,
                     api_key: Optional[str] = None, weights_root: Optional[str] = None,
                     base_gpu_id: Optional[int] = None, device: Optional[str] = None,
-                    num_threads: Optional[int] = None, model_path: Optional[str] = None) -> ServerSpec:
+                    num_threads: Optional[int] = None, model_path: Optional[str] = None,
+                    release: Optional[str] = None) -> ServerSpec:
     """The one ServerSpec of a run's servers, for both launchers (this host's `InferenceService` and the Slurm
     job's renderer): what the run's config asks of every server (backend, model, dtype, seed, radix cache,
     inference.extra_args, SGLang's --enable-return-routed-experts when the run collects routes); the launcher
@@ -121,7 +132,8 @@ def run_server_spec(cfg: Any, *, num_servers: int, host: str, tp: int, ep: int, 
                       api_key=api_key, tp_size=tp, ep_size=ep, dp_size=dp_attention,
                       enable_dp_attention=dp_attention > 1, dtype=cfg.model.dtype, seed=cfg.seed, extra_args=extra,
                       allow_untested_sglang=inf.allow_untested_sglang, radix_cache=inf.radix_cache,
-                      weights_root=weights_root, base_gpu_id=base_gpu_id, device=device, num_threads=num_threads)
+                      weights_root=weights_root, base_gpu_id=base_gpu_id, device=device, num_threads=num_threads,
+                      release=release)
 
 
 def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
@@ -145,10 +157,10 @@ def server_command(spec: ServerSpec, port: int, index: int = 0) -> list[str]:
             cmd += ["--base-gpu-id", str(spec.base_gpu_id + index * spec.tp_size)]
         if spec.ep_size > 1:
             cmd += ["--ep-size", str(spec.ep_size)]
-        if spec.dp_size > 1:
-            cmd += ["--dp-size", str(spec.dp_size)]
         if spec.enable_dp_attention:
-            cmd += ["--enable-dp-attention"]
+            cmd += dp_attention_args(spec.release, spec.dp_size)
+        elif spec.dp_size > 1:
+            cmd += ["--dp-size", str(spec.dp_size)]
         if spec.moe_a2a_backend:
             cmd += ["--moe-a2a-backend", spec.moe_a2a_backend]
         if spec.dtype:

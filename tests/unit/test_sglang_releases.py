@@ -73,3 +73,19 @@ def test_flattened_buckets_are_ordered_so_every_tensor_is_aligned():
         assert sorted(order) == list(range(len(ts))) and aligned(order)
         unaligned_inputs += not aligned(range(len(ts)))
     assert unaligned_inputs > 20  # the property is not vacuous
+
+
+def test_dp_attention_is_spelled_as_the_servers_release_spells_it():
+    """0.5.23 reads `--attn-dp-size N` (`--dp-size N --enable-dp-attention` deprecated there, removal announced for
+    after 2026-12-31); 0.5.20 knows only the old spelling, which a release not known gets."""
+    from mega_async.api.sglang_releases import dp_attention_args
+    from mega_async.inference.servers import ServerSpec, server_command
+
+    assert dp_attention_args("0.5.23", 8) == ["--attn-dp-size", "8"]
+    assert dp_attention_args("0.5.20", 8) == dp_attention_args(None, 8) == ["--dp-size", "8", "--enable-dp-attention"]
+    new = server_command(ServerSpec("sglang", "/m", tp_size=8, ep_size=8, dp_size=2, enable_dp_attention=True,
+                                    release="0.5.23", python="python"), 30000)
+    assert new[new.index("--attn-dp-size") + 1] == "2" and "--enable-dp-attention" not in new and "--dp-size" not in new
+    old = server_command(ServerSpec("sglang", "/m", tp_size=8, ep_size=8, dp_size=2, enable_dp_attention=True,
+                                    python="python"), 30000)
+    assert old[old.index("--dp-size") + 1] == "2" and "--enable-dp-attention" in old

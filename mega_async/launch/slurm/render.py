@@ -2,6 +2,7 @@
 in. Values are shell-quoted; nothing secret is written (the API key is read from its variable at run time)."""
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mega_async.api.config import RunConfig
-from mega_async.inference.servers import run_server_spec, server_command
+from mega_async.inference.servers import run_server_spec, server_command, sglang_release
 from mega_async.launch.slurm.plan import JobPlan
 
 LAUNCH_DIR = Path(__file__).resolve().parent / "templates"  # shipped in the package; launch/slurm links here
@@ -34,6 +35,13 @@ def sbatch_header(plan: JobPlan, cfg: RunConfig, run_dir: Path, *, partition: Op
     return [f"#SBATCH {x}" for x in h]
 
 
+@functools.lru_cache(maxsize=None)
+def _job_release() -> Optional[str]:
+    """The SGLang release of the interpreter the job runs (MEGA_ASYNC_PYTHON, else this one): the spelling of its
+    flags (None: not installed here, the spelling every tested release accepts)."""
+    return sglang_release(os.environ.get("MEGA_ASYNC_PYTHON", sys.executable))
+
+
 def server_argv(plan: JobPlan, cfg: RunConfig, index: int, run_dir: Path) -> list[str]:
     """Server `index`'s command with __HOST__/__PORT__ (and multi-node) placeholders for server.sh."""
     s = plan.servers[index]
@@ -43,7 +51,8 @@ def server_argv(plan: JobPlan, cfg: RunConfig, index: int, run_dir: Path) -> lis
                            dp_attention=s.dp_attention, api_key="__API_KEY__" if key else None,
                            model_path=str(Path(cfg.model.path).resolve()),
                            weights_root=str(run_dir / "weights") if embedded else None,
-                           num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None)
+                           num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None,
+                           release=_job_release() if s.dp_attention > 1 else None)
     cmd = server_command(spec, "__PORT__", index)  # type: ignore[arg-type]
     if s.base_gpu and plan.gpu:
         cmd += ["--base-gpu-id", str(s.base_gpu)]
