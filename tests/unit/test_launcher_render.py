@@ -192,3 +192,12 @@ def test_both_launchers_build_one_server_command(capsys, tmp_path, monkeypatch):
                                            model_path=str(Path(cfg.model.path).resolve())), "__PORT__", 0)
     job = server_argv(plan, cfg, 0, tmp_path)
     assert job[: len(local)] == local, (job, local)
+
+
+def test_a_server_over_several_nodes_logs_each_rank(capsys):
+    rc, script, err = dry_run(capsys, "kimi_k2_gsm8k_28x8.yaml")
+    assert rc == 0, err
+    assert re.search(r'ma_start server0 "\$RUN_DIR/logs/server0.log" .*--nodes=2 .*'
+                     r'--output="\$RUN_DIR/logs/server0.rank%t.log" --', script)
+    rc, script, err = dry_run(capsys, "qwen3_30b_a3b_gsm8k_2x8.yaml")  # one node a server: one log
+    assert "rank%t" not in script

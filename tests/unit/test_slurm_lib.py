@@ -68,6 +68,24 @@ def start_server_sh(tmp_path: Path, command: list, taken_port: int, taken_times:
                             start_new_session=True)
 
 
+def test_a_server_over_several_nodes_is_reported_from_its_rank_logs(tmp_path):
+    """A server spanning nodes writes one log per rank (srun --output=...server<i>.rank%t.log); the job's failure
+    line takes the error from the rank that has one, naming its log."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "server0.log").write_text("srun: launching server0\n")
+    (tmp_path / "logs" / "server0.rank0.log").write_text("loading weights\n")
+    (tmp_path / "logs" / "server0.rank1.log").write_text("torch.OutOfMemoryError: CUDA out of memory\n")
+    r = subprocess.run(["bash", "-c", f'source "{LIB}"; ma_last_error "$RUN_DIR/logs/server0.log"'],
+                       capture_output=True, text=True, env={"RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                       timeout=30)
+    assert r.stdout.strip() == "logs/server0.rank1.log: torch.OutOfMemoryError: CUDA out of memory", r.stderr
+    (tmp_path / "logs" / "server0.rank1.log").write_text("ok\n")
+    r = subprocess.run(["bash", "-c", f'source "{LIB}"; ma_last_error "$RUN_DIR/logs/server0.log"'],
+                       capture_output=True, text=True, env={"RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+                       timeout=30)
+    assert r.stdout.strip() == "srun: launching server0"  # no error line anywhere: the main log's last line
+
+
 def test_server_sh_starts_again_on_another_port_when_its_port_was_taken(tmp_path):
     """The free-port-then-bind window of the job script: the server's first port is taken before it binds it;
     server.sh starts it again on another, rewrites the address the job waits on, and the server serves."""

@@ -71,8 +71,10 @@ def _server_lines(plan: JobPlan, cfg: RunConfig, run_dir: Path) -> list[str]:
             env.append(f'MA_DIST_INIT="$DIST_INIT{s.index}"')
         nodelist = f'"$(IFS=,; echo "${{NODES[*]:{first}:{k}}}")"'
         argv = " ".join(_q(a) for a in server_argv(plan, cfg, s.index, run_dir))
+        # a server over several nodes: one log per rank (srun's %t), srun's own lines in server<i>.log
+        per_rank = f' --output="$RUN_DIR/logs/server{s.index}.rank%t.log"' if k > 1 else ""
         out.append(f'ma_start server{s.index} "$RUN_DIR/logs/server{s.index}.log" "${{NODES[{first}]}}" '
-                   f'--nodes={k} --ntasks={k} --ntasks-per-node=1 --nodelist={nodelist} -- \\\n'
+                   f'--nodes={k} --ntasks={k} --ntasks-per-node=1 --nodelist={nodelist}{per_rank} -- \\\n'
                    f'  env {" ".join(env)} bash "$LAUNCH_DIR/server.sh" {argv}')
     return out
 

@@ -72,10 +72,20 @@ ma_start() {
 
 ma_alive() { kill -0 "${MA_PID[$1]}" 2>/dev/null; }
 
-ma_last_error() {  # the last line of a log that looks like an error, else its last line
-  local line
-  line=$(grep -E 'Error|error|Traceback|Killed|exited|failed|FAILED' "$1" 2>/dev/null | grep -v 'mega-async launch:' | tail -n1)
-  [ -n "$line" ] || line=$(grep -v '^\s*$' "$1" 2>/dev/null | tail -n1)
+# the last line of a log that looks like an error, else its last line; a server spanning nodes also writes one log
+# per rank beside it (server<i>.rank<r>.log): those are read too, and the line says which
+ma_last_error() {
+  local line f
+  for f in "$1" "${1%.log}".rank*.log; do
+    [ -f "$f" ] || continue
+    line=$(grep -E 'Error|error|Traceback|Killed|exited|failed|FAILED' "$f" 2>/dev/null | grep -v 'mega-async launch:' | tail -n1)
+    if [ -n "$line" ]; then
+      [ "$f" = "$1" ] || line="${f#"$RUN_DIR"/}: $line"
+      echo "$line"
+      return
+    fi
+  done
+  line=$(grep -v '^\s*$' "$1" 2>/dev/null | tail -n1)
   echo "${line:-<empty log>}"
 }
 
