@@ -201,3 +201,23 @@ def test_a_server_over_several_nodes_logs_each_rank(capsys):
                      r'--output="\$RUN_DIR/logs/server0.rank%t.log" --', script)
     rc, script, err = dry_run(capsys, "qwen3_30b_a3b_gsm8k_2x8.yaml")  # one node a server: one log
     assert "rank%t" not in script
+
+
+@pytest.mark.parametrize("recipe, card", [("deepseek_v3_gsm8k_18x8.yaml", "deepseek-v3"),
+                                          ("glm45_355b_a32b_gsm8k_10x8.yaml", "glm-4.5"),
+                                          ("kimi_k2_gsm8k_28x8.yaml", "kimi-k2-instruct")])
+def test_what_the_trainer_trains_of_the_mtp_layer_the_servers_serve(capsys, recipe, card):
+    """A card with an MTP layer (as published: DeepSeek-V3, GLM-4.5): the recipe trains it (trainer.mtp train) and
+    its servers serve it as SGLang's NEXTN draft, so every sync sends it to them; a card without (Kimi-K2): no
+    draft. Never an MTP layer trained that no server uses."""
+    import json
+
+    from mega_async.api.config_load import load_config
+
+    cfg = load_config(str(ROOT / "configs" / recipe), [])
+    layers = json.loads((ROOT / "models" / card / "config.json").read_text()).get("num_nextn_predict_layers") or 0
+    rc, script, err = dry_run(capsys, recipe)
+    assert rc == 0, err
+    lines = re.findall(r"sglang\.launch_server .*", script)
+    assert lines and all(("--speculative-algorithm NEXTN" in line) == bool(layers) for line in lines)
+    assert cfg.trainer.mtp == "train" and cfg.trainer.save_every_minutes > 0
