@@ -99,10 +99,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
         if (done := _finished(cfg, found)) is not None:
             print(f"mega-async train: {done}")
             return 0
-        return _train(args, cfg, layout.world_size, lock)
+        rc = _train(args, cfg, layout.world_size, lock)
     finally:
         if lock is not None:
             lock.release()
+    _exit_now_if_abandoned(rc)
+    return rc
+
+
+def _exit_now_if_abandoned(rc: int) -> None:
+    """After a weight broadcast was abandoned (its receivers never joined), end the process here, everything else
+    closed (servers, run lock, logs): a normal exit would wait in the gloo group's destructor for that broadcast
+    until trainer.sync_timeout (294-299 s at the default, measured before this)."""
+    dist_sync = sys.modules.get("mega_async.trainer.sync.distributed")
+    if dist_sync is None or not dist_sync.broadcasts_abandoned():
+        return
+    import contextlib
+
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+    os._exit(rc)
 
 
 def _owns_run_dir(cfg: Any) -> bool:

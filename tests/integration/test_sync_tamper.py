@@ -128,3 +128,44 @@ def test_steps_that_leave_the_weights_unchanged_pass_the_checksum_verify(tmp_pat
                                      "algorithm.reward_scale=0"), capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "did not change" not in r.stderr
+
+
+@pytest.mark.slow  # a one-rank run (about 20 s)
+def test_a_run_ends_promptly_after_a_broadcast_its_receiver_never_joined(tmp_path):
+    """`mega-async train` whose only server acknowledges a bucket without receiving it (the proxy's `ack`): the
+    run fails naming the server (after 3 s), and the process ends right after its one line, not when
+    trainer.sync_timeout ends the abandoned broadcast in the gloo group's destructor (before: 58 s after the line
+    at sync_timeout 60, 294-299 s at the default 300)."""
+    import time
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tamper_proxy import TamperProxy
+
+    from mega_async.inference.servers import ServerLauncher, ServerSpec
+    from tests.commands import train_command
+
+    card = init_random_weights(TINY_MOE, tmp_path / "model", seed=0)
+    launcher = ServerLauncher(ServerSpec("embedded", str(card), num_servers=1, num_threads=1),
+                              log_dir=str(tmp_path / "server"), startup_timeout=120)
+    proxy = None
+    try:
+        proxy = TamperProxy(launcher.start()[0], 0).start()
+        proxy.set("ack", bucket=0)
+        timeout = 120
+        p = subprocess.Popen(train_command("tiny_cpu", tmp_path / "runs", "trainer.total_steps=3",
+                                           f"inference.addresses=[{proxy.address.split('://')[-1]}]",
+                                           f"trainer.sync_timeout={timeout}"),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        said, said_at = "", None
+        for line in p.stderr:
+            if line.startswith("mega-async train:") and said_at is None:
+                said, said_at = line, time.monotonic()
+        p.wait(timeout=2 * timeout)
+        lingered = time.monotonic() - said_at
+        assert p.returncode == 1 and "did not receive the bucket's broadcast" in said and proxy.address in said, said
+        assert lingered < timeout / 4, f"the process ended {lingered:.0f}s after its error line"
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        launcher.stop()

@@ -37,6 +37,17 @@ STUCK_FACTOR = 4.0
 STUCK_MIN_S = 10.0
 
 
+# every sync's abandoned broadcasts: their gloo threads wait inside the broadcast until the group's timeout
+# (trainer.sync_timeout), and a process ending normally joins those threads in the group's destructor
+ABANDONED: list[list] = []
+
+
+def broadcasts_abandoned() -> bool:
+    """Whether this process gave up on a weight broadcast its receivers never joined: it then ends with os._exit
+    once everything else is closed (mega_async.cli), instead of waiting out trainer.sync_timeout at exit."""
+    return any(ABANDONED)
+
+
 def _fp8_bucket(bucket: Any, block: tuple[int, int], resharder: Any) -> Any:
     """The bucket as an FP8 block checkpoint holds it (each weight with its weight_scale_inv, in one bucket)."""
     from mega_async.bridge import fp8
@@ -91,6 +102,7 @@ class DistributedWeightSync(WeightSync):
         self.pg: Any = None
         self._init_error: Optional[str] = None
         self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
+        ABANDONED.append(self._abandoned)  # the process's exit must not wait on them (`broadcasts_abandoned`)
         self._fleet_checked: set[str] = set()  # data_plane="none": servers checked to be simulated ones
         self._moved: dict[str, str] = {}  # rank 0's client's moved servers, as rank 0 last sent them
         self._group_on_servers = False  # the servers were told of a group this side has left
@@ -560,8 +572,8 @@ class DistributedWeightSync(WeightSync):
                 logger.warning("asking the servers which of them received the bucket failed: %s: %s",
                                type(e).__name__, e)
         for address in missed:
-            self.client.mark_silent(address, f"/update_weights_from_distributed: acknowledged a bucket without "
-                                             f"receiving its broadcast")
+            self.client.mark_silent(address, "/update_weights_from_distributed: acknowledged a bucket without "
+                                             "receiving its broadcast")
         who = ", ".join(missed) if missed else f"one of {', '.join(members)} (could not tell which)"
         return (f"{who} answered 200 to /update_weights_from_distributed but did not receive the bucket's broadcast "
                 f"({waited:.1f}s after every server answered it was still not complete; the broadcast was abandoned)")
