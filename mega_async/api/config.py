@@ -464,6 +464,10 @@ class LaunchConfig:
     time: Optional[str] = None  # Slurm time limit, e.g. 04:00:00
     preempt_signal_s: int = 300  # --signal=B:USR1@<s>: the driver checkpoints and exits this long before the end
     startup_timeout: float = 1800.0  # seconds for the job's servers to answer /health
+    # gpu: the job asks for GPUs and real SGLang servers run on them | cpu: a cluster (or CI) without GPUs: no GPUs
+    # asked for, real SGLang servers run SGLang's CPU engine (tools/install_sglang_cpu.sh's environment), the same
+    # job otherwise (the GPU recipes' branch: servers, router, trainer ranks, signals, requeue)
+    device: str = "gpu"
 
     def validate(self) -> None:
         for key in ("nodes", "gpus_per_node"):
@@ -473,6 +477,7 @@ class LaunchConfig:
         _positive("launch.gpu_memory_gib", self.gpu_memory_gib)
         _positive("launch.preempt_signal_s", self.preempt_signal_s)
         _positive("launch.startup_timeout", self.startup_timeout)
+        _choice("launch.device", self.device, ("gpu", "cpu"))
         if self.time is not None and not re.fullmatch(r"(\d+-)?\d+(:\d{1,2}){0,2}", self.time):
             raise ConfigError(f"launch.time={self.time!r} is not a Slurm time limit (minutes, HH:MM:SS or "
                               "D-HH:MM:SS)")

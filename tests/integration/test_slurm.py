@@ -41,9 +41,9 @@ def jobs():
             subprocess.run(["scancel", job])
 
 
-def launch(tmp: Path, model: Path, *overrides: str, jobs: list | None = None, flags=()) -> tuple[str, Path]:
+def launch(tmp: Path, model: Path, *overrides: str, jobs: list | None = None, flags=(), slots: int = 2) -> tuple[str, Path]:
     cmd = [sys.executable, "-m", "mega_async.cli", "launch", "slurm", "-c", str(ROOT / "configs" / "gsm8k_tiny_cpu.yaml"),
-           "--nodes", "1", "--gpus-per-node", "2", "--time", "20", *flags, f"logging.root_dir={tmp / 'runs'}",
+           "--nodes", "1", "--gpus-per-node", str(slots), "--time", "30", *flags, f"logging.root_dir={tmp / 'runs'}",
            f"model.path={model}", *overrides]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -154,28 +154,51 @@ def test_preemption_signal_and_scancel_end_everything(slurm, model, tmp_path, jo
         assert "SIGTERM/SIGINT: stopping every component" in log
 
 
-@pytest.mark.timeout(1500)  # two runs of the job (and Slurm's two-minute hold, should the release fail)
-def test_requeue_resumes_after_preemption(slurm, model, tmp_path, jobs):
-    """SIGUSR1: the driver checkpoints and exits 0, the job requeues itself and the second run continues
-    from the checkpoint (trainer.resume=auto) to the end."""
-    job, run = launch(tmp_path, model, "trainer.total_steps=6", jobs=jobs, flags=["--requeue"])
-    wait_for(lambda: len(steps(run)) >= 1, 400, "the first training step")
+@pytest.mark.timeout(2400)  # two runs of the job on the real engine (and Slurm's hold, should the release fail)
+def test_the_gpu_recipes_branch_runs_on_real_sglang_and_requeues_losslessly(slurm, model, tmp_path, jobs):
+    """The job the GPU recipes render (inference.backend=sglang), on this machine's CPUs (launch.device=cpu): the
+    job starts a real SGLang 0.5.23 server (its CPU engine, the command built as a local run builds it) and smg in
+    front of it; the trainer (two ranks) generates through smg, with routing replay (R3: the server returns every
+    token's experts, the trainer replays them), and checkpoints by the clock (trainer.save_every_minutes). Then
+    SIGUSR1: the driver checkpoints and exits 0, the job requeues itself and its second run continues from that
+    checkpoint (trainer.resume=auto) to the end: every step once, every version in order, nothing left running."""
+    venv = os.environ.get("SGLANG_CPU_VENV")
+    assert venv and (Path(venv) / "bin" / "smg").exists(), \
+        "SGLANG_CPU_VENV must name the engine's environment with smg (bash tools/install_sglang_cpu.sh; .ci/run does)"
+    job, run = launch(tmp_path, model, "trainer.total_steps=6", "inference.backend=sglang", "launch.device=cpu",
+                      "launch.startup_timeout=600", "parallel.allocation=sglang:d1+megatron:d2",
+                      "algorithm.routing_replay=true", "inference.router=smg",
+                      f"inference.router_bin={Path(venv) / 'bin' / 'smg'}", "trainer.save_every_minutes=0.001",
+                      jobs=jobs, flags=["--requeue"], slots=3)
+    wait_for(lambda: len(steps(run)) >= 2, 900, "two training steps")
     subprocess.run(["scancel", "--batch", "--signal=USR1", job], check=True)
     wait_for(lambda: "requeueing job" in (run / "logs" / "job.log").read_text(), 300, "the requeue")
-    # Slurm holds a requeued job about two minutes (BeginTime); what is tested is that it comes back and resumes,
-    # not the hold: once it is pending again, make it eligible now (two idle minutes of CI's time)
     wait_for(lambda: job_state(job)[0] == "PENDING", 300, "the requeued job to be pending")
-    # not in the second of the requeue: slurmd refuses a credential made in the second it revoked the job's last
-    # one ("Killing non-startable batch job: Job credential revoked"), and the job ends FAILED
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], capture_output=True, check=False)
     wait_for(lambda: "(restart 1)" in (run / "logs" / "job.log").read_text(), 300, "the requeued run to start")
-    state, code = wait_done(job, 600)
-    log = (run / "logs" / "job.log").read_text()
-    assert (state, code) == ("COMPLETED", "0:0"), log
-    assert "preempted" in (run / "logs" / "driver.log").read_text()
+    state, code = wait_done(job, 1200)
+    logs = run / "logs"
+    log = (logs / "job.log").read_text()
+    assert (state, code) == ("COMPLETED", "0:0"), log + (logs / "driver.log").read_text()[-3000:]
+    driver = (logs / "driver.log").read_text()
+    assert "preempted" in driver
     s = steps(run)
-    assert [x["step"] for x in s] == list(range(6)), [x["step"] for x in s]  # resumed, nothing repeated
+    assert [x["step"] for x in s] == list(range(6)), [x["step"] for x in s]  # resumed, nothing repeated or lost
     assert [x["version"] for x in s] == list(range(1, 7))
     assert "training finished" in log.split("(restart 1)")[1]
+    server = (logs / "server0.log").read_text()  # the real engine, as the recipes start it, routes on
+    assert "sglang.launch_server" in server and "--device cpu" in server and "--enable-return-routed-experts" in server
+    assert "smg at " in log and (logs / "router.log").exists()
+    for x in s:  # generation through smg; the trainer replayed the engine's routes on every token
+        assert x["router/answers"] > 0 and x["router/around"] == 0, x
+        assert x["train/mismatch/route_top1_frac"] == 0 and x["train/mismatch/current_tokens"] > 0, x
+    import re
+
+    train_log = (run / "train.log").read_text()
+    first = train_log.split("preempted")[0]
+    saved = set(re.findall(r"checkpoint \S*step_(\d+)", first))
+    assert len(saved) >= 2, first[-3000:]  # by the clock, after each step before the signal (save_interval 0)
     assert (run / "final_hf" / "config.json").exists()
-    wait_for(lambda: not leftovers(tmp_path), 60, "every process of the job to end")
+    wait_for(lambda: not leftovers(tmp_path), 90, "every process of the job to end")
+
+

@@ -221,3 +221,22 @@ def test_what_the_trainer_trains_of_the_mtp_layer_the_servers_serve(capsys, reci
     lines = re.findall(r"sglang\.launch_server .*", script)
     assert lines and all(("--speculative-algorithm NEXTN" in line) == bool(layers) for line in lines)
     assert cfg.trainer.mtp == "train" and cfg.trainer.save_every_minutes > 0
+
+
+def test_a_job_without_gpus_runs_real_sglang_on_its_cpu_engine(capsys, tmp_path, monkeypatch):
+    """launch.device=cpu (a cluster, or CI, without GPUs): the GPU recipes' branch (inference.backend=sglang) with
+    no GPUs asked for, the servers on SGLang's CPU engine (its environment's python, the CPU flags and environment
+    a local run gives them)."""
+    from mega_async.launch.slurm import render
+
+    monkeypatch.setattr(render, "engine_python", lambda: "/opt/engine/bin/python")
+    rc, script, err = dry_run(capsys, "gsm8k_tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "3",
+                              "inference.backend=sglang", "launch.device=cpu", "parallel.allocation=sglang:d1+megatron:d2")
+    assert rc == 0, err
+    bash_ok(script, tmp_path)
+    assert "--gpus-per-node" not in script and "--exclusive" not in script and "--base-gpu-id" not in script
+    line = re.search(r"ma_start server0 .*\n.*", script).group(0)
+    assert "/opt/engine/bin/python -m sglang.launch_server" in line and "--device cpu" in line, line
+    assert "SGLANG_USE_CPU_ENGINE=1" in line and "OMP_NUM_THREADS=" in line and "sglang/cpu/pythonpath" in line, line
+    rc, _, err = dry_run(capsys, "gsm8k_tiny_cpu.yaml", "--nodes", "1", "--gpus-per-node", "3", "launch.device=tpu")
+    assert rc != 0 and "launch.device" in err

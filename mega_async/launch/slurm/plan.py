@@ -68,7 +68,8 @@ class JobPlan:
 
 
 def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str, hf_config: Any = None,
-             dtype: str = "bfloat16", gpu_memory_gib: float = 80.0, router: bool = False) -> JobPlan:
+             dtype: str = "bfloat16", gpu_memory_gib: float = 80.0, router: bool = False,
+             device: str = "gpu") -> JobPlan:
     """Place the allocation on `nodes` x `gpus_per_node`; raises LaunchError naming what does not fit. `router`:
     the job starts smg in front of the servers (inference.router=smg)."""
     if nodes < 1 or gpus_per_node < 1:
@@ -76,12 +77,12 @@ def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str,
     if alloc.inference is None or alloc.trainer is None:
         raise LaunchError(f"parallel.allocation={alloc.source!r} needs an inference and a trainer part, "
                           "e.g. sglang:d2t8+megatron:d8")
-    gpu = backend == "sglang"
+    gpu = backend == "sglang" and device == "gpu"  # launch.device=cpu: SGLang's CPU engine, no GPUs asked for
     inf = alloc.inference.strategy
     n_srv, tp = inf.dp, inf.tp
     if inf.pp > 1 or inf.cp > 1:
         raise LaunchError(f"inference part {alloc.inference.backend}:{inf}: servers take d (count), t and e only")
-    if not gpu and (tp > 1 or inf.ep > 1):
+    if backend == "embedded" and (tp > 1 or inf.ep > 1):
         raise LaunchError(f"inference.backend={backend} runs one rank per server; the inference part asks t{tp} "
                           f"e{inf.ep}: use inference.backend=sglang for tensor/expert-parallel servers")
     if inf.ep > 1 and tp % inf.ep:

@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 from mega_async.api.config import RunConfig
 from mega_async.inference.servers import run_server_spec, server_command, sglang_release
+from mega_async.inference.sglang import cpu as sglang_cpu
+from mega_async.inference.sglang.cpu import engine_python
 from mega_async.launch.slurm.plan import JobPlan
 
 LAUNCH_DIR = Path(__file__).resolve().parent / "templates"  # shipped in the package; launch/slurm links here
@@ -35,6 +37,16 @@ def sbatch_header(plan: JobPlan, cfg: RunConfig, run_dir: Path, *, partition: Op
     return [f"#SBATCH {x}" for x in h]
 
 
+def _cpu_engine(plan: JobPlan) -> bool:
+    """Real SGLang servers on a job without GPUs (launch.device=cpu): SGLang's CPU engine."""
+    return plan.backend == "sglang" and not plan.gpu
+
+
+def _server_threads(plan: JobPlan) -> int:
+    """CPU threads per server on a job without GPUs: a node's cores split between its servers and trainer ranks."""
+    return max(1, (os.cpu_count() or 1) // (2 * len(plan.servers)))
+
+
 @functools.lru_cache(maxsize=None)
 def _job_release() -> Optional[str]:
     """The SGLang release of the interpreter the job runs (MEGA_ASYNC_PYTHON, else this one): the spelling of its
@@ -47,12 +59,16 @@ def server_argv(plan: JobPlan, cfg: RunConfig, index: int, run_dir: Path) -> lis
     s = plan.servers[index]
     embedded = plan.backend == "embedded"
     key = os.environ.get(cfg.inference.api_key_env) if getattr(cfg.inference, "api_key_env", None) else None
+    cpu_engine = _cpu_engine(plan)
     spec = run_server_spec(cfg, num_servers=len(plan.servers), host="__HOST__", tp=s.gpus, ep=s.ep,
                            dp_attention=s.dp_attention, api_key="__API_KEY__" if key else None,
                            model_path=str(Path(cfg.model.path).resolve()),
                            weights_root=str(run_dir / "weights") if embedded else None,
-                           num_threads=max(1, (os.cpu_count() or 1) // (2 * len(plan.servers))) if embedded else None,
-                           release=_job_release() if s.dp_attention > 1 else None)
+                           num_threads=_server_threads(plan) if embedded or cpu_engine else None,
+                           release=_job_release() if s.dp_attention > 1 else None,
+                           device="cpu" if cpu_engine else None)
+    if cpu_engine:
+        spec.python = engine_python()  # the CPU engine's own environment (tools/install_sglang_cpu.sh)
     cmd = server_command(spec, "__PORT__", index)  # type: ignore[arg-type]
     if s.base_gpu and plan.gpu:
         cmd += ["--base-gpu-id", str(s.base_gpu)]
@@ -66,6 +82,10 @@ def _server_lines(plan: JobPlan, cfg: RunConfig, run_dir: Path) -> list[str]:
     for s in plan.servers:
         first, k = s.nodes[0], len(s.nodes)
         env = [f"MA_INDEX={s.index}", "MA_API_KEY_ENV=" + _q(getattr(cfg.inference, "api_key_env", "") or "")]
+        if _cpu_engine(plan):  # SGLang's CPU engine on, the sgl_kernel stand-in first on its path, its cores
+            cpu = sglang_cpu.cpu_env({}, _server_threads(plan))
+            env += [f"SGLANG_USE_CPU_ENGINE={cpu['SGLANG_USE_CPU_ENGINE']}", f"OMP_NUM_THREADS={cpu['OMP_NUM_THREADS']}",
+                    f'PYTHONPATH={_q(cpu["PYTHONPATH"])}"${{PYTHONPATH:+:$PYTHONPATH}}"']
         if k > 1:
             out.append(f'DIST_INIT{s.index}="$(ma_node_addr "${{NODES[{first}]}}"):$(ma_free_port "${{NODES[{first}]}}")"')
             env.append(f'MA_DIST_INIT="$DIST_INIT{s.index}"')
