@@ -199,9 +199,14 @@ def watch_launcher() -> Optional[threading.Thread]:
 
 # ---- Megatron's checkpoint writer -------------------------------------------------------------------------
 def _watch_parent_from_child(parent: ProcessRef) -> None:
-    """Initializer of the manager process: it ends (with anything it started) when `parent` ends."""
+    """Initializer of the manager process: it ends (with anything it started) when `parent` ends. A spawned process
+    starts with every signal's default action, and Slurm delivers the pre-emption signal (SIGUSR1, "checkpoint and
+    stop") to every process of the trainer's step: by default it would end this one, and with it the checkpoint
+    the driver is writing or about to write for that very signal (BrokenPipeError in Megatron's writer). It
+    ignores it; the trainer rank it serves handles it."""
     if not parent.alive() or os.getppid() != parent.pid:
         os._exit(1)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     watch([parent], parent=parent.pid, on_loss=_end_quietly)
 
 

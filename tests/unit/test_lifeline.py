@@ -35,8 +35,9 @@ def _gone(pids, timeout: float) -> float:
     raise AssertionError(f"still running after {timeout}s: {alive}")
 
 
-def _python(code: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=ENV)
+def _python(code: str, *args: str, stdin=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, text=True, env=ENV,
+                            stdin=stdin)
 
 
 def test_a_process_is_its_pid_and_start_time():
@@ -132,6 +133,35 @@ def test_megatrons_checkpoint_writer_ends_with_a_killed_driver():
     driver.wait()
     took = _gone(kids, 10)
     assert took < 3, took
+
+
+PREEMPTED = """
+import signal, sys
+from mega_async.utils.lifeline import guard_checkpoint_writer
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
+signal.signal(signal.SIGUSR1, lambda *a: None)  # the trainer rank's PreemptFlag
+guard_checkpoint_writer()
+q = fsa._get_write_results_queue()
+print(fsa._results_queue._manager._process.pid, flush=True)
+sys.stdin.readline()  # the test sent SIGUSR1 to the manager meanwhile
+q.put(2)
+print(q.get(), flush=True)
+"""
+
+
+def test_the_checkpoint_writers_manager_outlives_the_preemption_signal():
+    """Slurm signals every process of the trainer's step with SIGUSR1 (pre-emption): the writer's spawned manager
+    ignores it, so the checkpoint written for that signal still collects its results (before: the manager died of
+    it and the save failed with BrokenPipeError, seen in the Slurm job once checkpoints ran by the clock)."""
+    driver = _python(PREEMPTED, stdin=subprocess.PIPE)
+    manager = int(driver.stdout.readline())
+    os.kill(manager, signal.SIGUSR1)
+    time.sleep(0.5)
+    assert psutil.pid_exists(manager) and psutil.Process(manager).status() != psutil.STATUS_ZOMBIE
+    driver.stdin.write("go\n")
+    driver.stdin.flush()
+    assert driver.stdout.readline().strip() == "2"
+    driver.wait(30)
 
 
 def test_a_stopped_trainer_rank_is_named_and_ends_the_wait():
