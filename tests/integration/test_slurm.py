@@ -189,9 +189,12 @@ def test_the_gpu_recipes_branch_runs_on_real_sglang_and_requeues_losslessly(slur
     server = (logs / "server0.log").read_text()  # the real engine, as the recipes start it, routes on
     assert "sglang.launch_server" in server and "--device cpu" in server and "--enable-return-routed-experts" in server
     assert "smg at " in log and (logs / "router.log").exists()
-    for x in s:  # generation through smg; the trainer replayed the engine's routes on every token
-        assert x["router/answers"] > 0 and x["router/around"] == 0, x
-        assert x["train/mismatch/route_top1_frac"] == 0 and x["train/mismatch/current_tokens"] > 0, x
+    # generation through smg (never around it); the trainer replayed the engine's routes on every token it can
+    # compare (those the current weights generated: a step's batch is partly older, and the resumed run's first
+    # batch is the checkpoint's)
+    assert all(x["router/around"] == 0 for x in s) and sum(x["router/answers"] for x in s) > 0, s
+    current = [x for x in s if x["train/mismatch/current_tokens"] > 0]
+    assert current and all(x["train/mismatch/route_top1_frac"] == 0 for x in current), s
     import re
 
     train_log = (run / "train.log").read_text()
