@@ -388,6 +388,8 @@ class TrainerConfig:
 
     def validate(self) -> None:
         _positive("trainer.eval_interval", self.eval_interval, allow_zero=True)
+        if self.mtp is False or self.mtp in ("False", "false"):  # YAML 1.1 reads an unquoted `off` as false
+            self.mtp = "off"
         _choice("trainer.mtp", self.mtp, ("train", "freeze", "init", "off"))
         _positive("trainer.mtp_loss_scaling_factor", self.mtp_loss_scaling_factor, allow_zero=True)
         _positive("trainer.total_steps", self.total_steps)

@@ -102,6 +102,9 @@ def test_mtp_off_is_accepted_for_a_model_without_mtp_layers_and_the_new_modes_ar
         TrainerConfig(mtp=mode).validate()
     with pytest.raises(ConfigError, match="trainer.mtp"):
         TrainerConfig(mtp="on").validate()
+    from mega_async.api.config_load import load_config
+
+    assert load_config(None, ["trainer.mtp=off"]).trainer.mtp == "off"  # YAML 1.1 reads a bare off as false
 
 
 def test_a_missing_tensor_group_is_named_with_its_fix():

@@ -68,6 +68,18 @@ class Verification:
         b = bridge_for(self.models)
         return b.num_layers if b.mtp_layers else None
 
+    def _without_untrained_mtp(self, checksums: dict[str, str]) -> dict[str, str]:
+        """A server's checksums less its MTP layers' when the trainer built none (trainer.mtp=off, or a checkpoint
+        without them): a draft the run neither trains nor sends is not the trainer's to compare."""
+        if not getattr(self, "models", None):
+            return checksums
+        from mega_async.bridge import bridge_for
+
+        b = bridge_for(self.models)
+        if b.mtp_layers or not getattr(b, "mtp_asked", 0):
+            return checksums
+        return {n: c for n, c in checksums.items() if not is_mtp_hf_name(n, b.num_layers)}
+
     def _verified(self) -> Optional[list[str]]:
         """Rank 0: the servers a verify checks: those of this push that are still up (None: every server)."""
         if not self._targets:
@@ -183,7 +195,7 @@ class Verification:
                 skipped.append(f"{address} ({why})")
                 continue
             for r in reply.get("ranks") or []:
-                plan.expect(address, r.get("checksums") or {})
+                plan.expect(address, self._without_untrained_mtp(r.get("checksums") or {}))
         if skipped and self._warned_skip != skipped:
             self._warned_skip = skipped
             logger.warning("verify_sync: not compared with the trainer's digest, only across servers and steps: %s",
