@@ -2,6 +2,7 @@
 leaves: the rank that failed first is often not the driver (srun kills the driver without a word), so its
 own one-line error from trainer_rank<N>.log is what the job log and the driver's log must say."""
 import subprocess
+import sys
 from pathlib import Path
 
 LIB = Path(__file__).resolve().parents[2] / "launch" / "slurm" / "lib.sh"
@@ -84,6 +85,23 @@ def test_a_server_over_several_nodes_is_reported_from_its_rank_logs(tmp_path):
                        capture_output=True, text=True, env={"RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
                        timeout=30)
     assert r.stdout.strip() == "srun: launching server0"  # no error line anywhere: the main log's last line
+
+
+def test_a_servers_start_up_limit_counts_from_its_own_latest_start(tmp_path):
+    """launch.startup_timeout per server, from its latest (re)start (server.sh writes addresses/<name>.started),
+    not from the job's first wait: a server started again late still gets the whole limit."""
+    import time
+
+    (tmp_path / "logs" / "addresses").mkdir(parents=True)
+    (tmp_path / "logs" / "addresses" / "server0.started").write_text(f"{int(time.time())}\n")
+    script = (f'source "{LIB}"; sleep 30 & MA_PID[server0]=$!; MA_LOG[server0]="$RUN_DIR/logs/server0.log"; '
+              'MA_NODE[server0]=vm; SECONDS=1000; ma_wait_healthy server0 3 0')
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                       env={"RUN_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    took = time.monotonic() - t0
+    assert r.returncode == 1 and "component server0 on vm not healthy 3s after it started" in r.stderr, r.stderr
+    assert took >= 2, took  # counted from its start, not from the job's t0 1000 s ago (which failed at once)
 
 
 def test_server_sh_starts_again_on_another_port_when_its_port_was_taken(tmp_path):

@@ -108,10 +108,11 @@ ma_trainer_error() {
 }
 
 # wait until component $1 wrote its address (logs/addresses/$1) and answers /health there (ADDR: that address); a
-# component that exits first, or is not healthy after $2 seconds since $3 (SECONDS), fails the job. The address is
-# read again on every try: server.sh rewrites it when it starts the server again on another port
+# component that exits first, or is not healthy $2 seconds after its own latest (re)start (server.sh's
+# logs/addresses/$1.started; else since $3, in SECONDS), fails the job. The address is read again on every try:
+# server.sh rewrites it when it starts the server again on another port
 ma_wait_healthy() {
-  local name=$1 timeout=$2 t0=$3
+  local name=$1 timeout=$2 t0=$3 started waited
   while :; do
     ma_alive "$name" || ma_fail "$name" "exited before it became healthy"
     if [ -s "$RUN_DIR/logs/addresses/$name" ]; then
@@ -121,7 +122,9 @@ ma_wait_healthy() {
         return 0
       fi
     fi
-    ((SECONDS - t0 < timeout)) || ma_fail "$name" "not healthy after ${timeout}s"
+    started=$(cat "$RUN_DIR/logs/addresses/$name.started" 2>/dev/null) || started=""
+    if [[ "$started" =~ ^[0-9]+$ ]]; then waited=$(($(date +%s) - started)); else waited=$((SECONDS - t0)); fi
+    ((waited < timeout)) || ma_fail "$name" "not healthy ${timeout}s after it started"
     sleep 1
   done
 }

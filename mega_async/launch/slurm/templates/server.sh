@@ -40,6 +40,8 @@ for ((try = 1; ; try++)); do
     args+=("$a")
   done
   echo "$label node rank $rank on $host port $port (try $try of $tries): $*"  # the template: no API key in the log
+  # its start-up limit counts from this (re)start (ma_wait_healthy reads it), not from the job's first try
+  [ "$rank" != 0 ] || date +%s >"$RUN_DIR/logs/addresses/$name.started"
   # every line goes on to the step's log as before; the copier keeps the last 200 in $tail_file when the output
   # ends, and ignores SIGTERM so the server's last words still reach the log
   exec {out}> >(trap '' TERM INT; exec awk -v f="$tail_file" \
