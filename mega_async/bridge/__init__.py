@@ -60,6 +60,7 @@ class HFBridge:
         self.num_layers = int(self.hf_config.num_hidden_layers)
         self.mtp_layers = mtp.mtp_layers(self.hf_config)  # multi-token-prediction layers (mega_async.bridge.mtp)
         self.fresh_mtp = False  # trainer.mtp=init: they are not loaded (`mega_async.trainer.model.build_model`)
+        self.mtp_asked = self.mtp_layers  # what the card asked for (build_model sets it when it builds fewer)
         self.config = self.mb.config  # Megatron's TransformerConfig (trainer.model sets its run options)
 
     @staticmethod

@@ -111,6 +111,12 @@ def mtp_layers_held(model: torch.nn.Module) -> int:
     return max(0, len(layers) - own) if layers is not None and own else 0
 
 
+def _layer(name: str) -> int:
+    """The decoder layer a checkpoint name belongs to (-1: none)."""
+    m = re.match(r"^model\.layers\.(\d+)\.", name)
+    return int(m[1]) if m else -1
+
+
 def _without_unheld_mtp(model: torch.nn.Module, items: Iterable[tuple]) -> list[tuple]:
     """(name, ...) items without the MTP layers' tensors when the config asks for MTP layers the server does not
     keep (a checkpoint saved without them): as SGLang's target model, whose load_weights skips those layers."""
@@ -138,6 +144,11 @@ def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.
         missing = [n for n, _ in checkpoint_names(model) if n not in have]
         tied = getattr(model.config, "tie_word_embeddings", False)
         missing = [n for n in missing if not (tied and n == "lm_head.weight")]
+        own = int(getattr(model.config, "num_hidden_layers", 0) or 0)
+        if mtp_layers_held(model) and not any(_layer(n) >= own for n in have):
+            # a full checkpoint of the target alone (a run with trainer.mtp=off, or one that trained without the
+            # layers): the draft's weights stay as they are, as a target-only reload leaves them
+            missing = [n for n in missing if _layer(n) < own]
         if missing:
             raise WeightLoadError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[0]!r}")
     undo = backup if backup is not None else WeightBackup()

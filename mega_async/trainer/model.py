@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from mega_async.bridge import mtp as mtp_plan
-
 from mega_async.trainer.mcore_fixes import apply_mcore_fixes, mark_expert_gradients
 from mega_async.trainer.parallel import as_strategy, init_parallel_state, validate_for_model
 

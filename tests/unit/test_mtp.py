@@ -158,3 +158,23 @@ def test_the_embedded_server_serves_a_transformers_saved_model_as_its_target_alo
               metadata={"format": "pt"})
     with pytest.raises(WeightLoadError, match="num_nextn_predict_layers asks for MTP layers but the checkpoint lacks"):
         load_pretrained(partial, torch.float32)
+
+
+def test_a_full_reload_without_the_mtp_layers_keeps_the_servers_draft(tmp_path):
+    """A disk sync of a run that builds no MTP layers (trainer.mtp=off) writes the target alone: a server holding
+    the layers reloads everything else and keeps them (a reload missing any target weight is still refused)."""
+    import pytest
+    from safetensors.torch import load_file
+
+    from mega_async.bridge.model_cards import TINY_DEEPSEEK, init_random_weights
+    from mega_async.server.weights import WeightLoadError, load_named_tensors, load_pretrained
+
+    full = init_random_weights(TINY_DEEPSEEK, tmp_path / "full", seed=0)
+    model = load_pretrained(full, torch.float32)
+    target = {k: v for k, v in load_file(str(full / "model.safetensors")).items() if ".layers.4." not in k}
+    eh = model.state_dict()["model.layers.4.eh_proj.weight"].clone()
+    assert load_named_tensors(model, target.items(), strict=True) == len(target)
+    assert torch.equal(model.state_dict()["model.layers.4.eh_proj.weight"], eh)
+    target.pop("model.layers.0.self_attn.o_proj.weight")
+    with pytest.raises(WeightLoadError, match="checkpoint lacks 1 weights"):
+        load_named_tensors(model, target.items(), strict=True)
