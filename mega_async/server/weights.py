@@ -125,7 +125,7 @@ def _without_unheld_mtp(model: torch.nn.Module, items: Iterable[tuple]) -> list[
     if not int(getattr(cfg, "num_nextn_predict_layers", 0) or 0) or mtp_layers_held(model):
         return items
     layers = int(cfg.num_hidden_layers)
-    return [it for it in items if not ((m := re.match(r"^model\.layers\.(\d+)\.", it[0])) and int(m[1]) >= layers)]
+    return [it for it in items if _layer(it[0]) < layers]
 
 
 def load_named_tensors(model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]], strict: bool = False,

@@ -48,35 +48,34 @@ class Verification:
         return self._verify_probe()
 
     @property
-    def num_experts(self) -> Optional[int]:
-        """Routed experts per MoE layer of the trainer's model (None: dense, or no model)."""
+    def _bridge(self) -> Any:
+        """The trainer's model bridge (None: no model, e.g. a control-plane-only sync)."""
         if not getattr(self, "models", None):
             return None
         from mega_async.bridge import bridge_for
 
-        cfg = bridge_for(self.models).hf_config
+        return bridge_for(self.models)
+
+    @property
+    def num_experts(self) -> Optional[int]:
+        """Routed experts per MoE layer of the trainer's model (None: dense, or no model)."""
+        if self._bridge is None:
+            return None
+        cfg = self._bridge.hf_config
         return next((int(v) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                      if (v := getattr(cfg, k, None))), None)
 
     @property
     def _mtp_from(self) -> Optional[int]:
         """The first HF layer index of the trainer's MTP layers (None: it has none)."""
-        if not getattr(self, "models", None):
-            return None
-        from mega_async.bridge import bridge_for
-
-        b = bridge_for(self.models)
-        return b.num_layers if b.mtp_layers else None
+        b = self._bridge
+        return b.num_layers if b is not None and b.mtp_layers else None
 
     def _without_untrained_mtp(self, checksums: dict[str, str]) -> dict[str, str]:
         """A server's checksums less its MTP layers' when the trainer built none (trainer.mtp=off, or a checkpoint
         without them): a draft the run neither trains nor sends is not the trainer's to compare."""
-        if not getattr(self, "models", None):
-            return checksums
-        from mega_async.bridge import bridge_for
-
-        b = bridge_for(self.models)
-        if b.mtp_layers or not getattr(b, "mtp_asked", 0):
+        b = self._bridge
+        if b is None or b.mtp_layers or not b.mtp_asked:
             return checksums
         return {n: c for n, c in checksums.items() if not is_mtp_hf_name(n, b.num_layers)}
 
