@@ -12,6 +12,7 @@ import contextlib
 import functools
 import importlib
 import logging
+import sys
 import types
 from typing import Any
 
@@ -177,6 +178,55 @@ def patch_without_te() -> None:
     mla.HAVE_TE = False
 
 
+def _eager(fn: Any = None, **_options: Any) -> Any:
+    """`torch.compile` as Megatron's fusions use it (`@torch.compile` or `torch.compile(**options)(fn)`), eager."""
+    return fn if fn is not None else (lambda f: f)
+
+
+def import_megatron() -> None:
+    """Import Megatron-Core with its `jit_fuser` eager when CUDA is unavailable.
+
+    Megatron decorates about thirty small functions with `torch.compile` (`megatron.core.jit.jit_fuser`), some on the
+    paths a CPU run takes every step (the router's `_apply_expert_bias`, the alltoall dispatcher's preprocessing, the
+    grouped experts' GLU). On a CPU that means importing TorchDynamo and Inductor in every rank (about 1.5 s of CPU
+    time) and tracing and compiling C++ with the host compiler in every process, for functions of a few element-wise
+    operations on tiny tensors; eager, they compute the same. The first import of `megatron.core` sees an eager
+    `torch.compile`; later imports then bind Megatron's `noop_decorator`. Call before anything imports Megatron
+    (`init_parallel_state` and the engine do); when Megatron is already imported, `apply_cpu_patches` unwraps the
+    compiled functions instead. On a GPU nothing changes."""
+    if torch.cuda.is_available() or "megatron.core.jit" in sys.modules:
+        return
+    real = torch.compile
+    torch.compile = _eager  # type: ignore[assignment]
+    try:
+        from megatron.core import jit as mjit
+    finally:
+        torch.compile = real  # type: ignore[assignment]
+    mjit.disable_jit_fuser()
+
+
+def _unwrap_compiled() -> int:
+    """Megatron imported before `import_megatron` could run: its compiled functions become their eager originals,
+    and its modules' `jit_fuser` the no-op. Returns how many functions were unwrapped."""
+    from megatron.core import jit as mjit
+
+    mjit.disable_jit_fuser()
+    n = 0
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("megatron.core") or mod is None:
+            continue
+        if getattr(mod, "jit_fuser", None) is not None and mod is not mjit:
+            mod.jit_fuser = mjit.noop_decorator
+        owners = [mod] + [c for c in vars(mod).values() if isinstance(c, type) and c.__module__ == name]
+        for owner in owners:
+            for attr, value in list(vars(owner).items()):
+                orig = getattr(value, "_torchdynamo_orig_callable", None)
+                if orig is not None:
+                    setattr(owner, attr, orig)
+                    n += 1
+    return n
+
+
 def apply_cpu_patches() -> bool:
     """Patch Megatron-Core for CPU/gloo when CUDA is unavailable; idempotent. Returns whether patched."""
     global _APPLIED
@@ -184,6 +234,8 @@ def apply_cpu_patches() -> bool:
         return False
     if _APPLIED:
         return True
+    import_megatron()
+    _unwrap_compiled()
     proxy = _CpuTorch()
     for name in _MODULES:
         try:

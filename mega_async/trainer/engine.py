@@ -94,6 +94,9 @@ class MicroBatch:
 class MegatronTrainEngine:
     def __init__(self, hf_dir: str, allocation: Any, cfg: EngineConfig, dtype: Optional[torch.dtype] = None,
                  version: Optional[Version] = None):
+        from mega_async.trainer.cpu import apply_cpu_patches
+
+        apply_cpu_patches()  # first: Megatron is imported with its CPU settings
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer

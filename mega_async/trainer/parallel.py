@@ -129,11 +129,12 @@ def init_parallel_state(s: ParallelStrategy, backend: Optional[str] = None, seed
     """Initialise Megatron's parallel state (TP, PP, VPP, CP, EP, ETP) on nccl (GPU) or gloo (CPU)."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
 
     from mega_async.trainer.cpu import apply_cpu_patches
 
-    apply_cpu_patches()
+    apply_cpu_patches()  # first: Megatron is imported with its CPU settings
+    from megatron.core import parallel_state as mpu
+
     init_distributed(backend)
     world = dist.get_world_size()
     if world != s.world_size:
