@@ -447,7 +447,10 @@ def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
     import hashlib
 
     from mega_async.inference.client import SGLangClient
+    from unittest.mock import ANY
+
     from mega_async.trainer.sync import RolloutSide, WeightSync
+    from mega_async.trainer.sync.verify import _unchanged_verdict
     from mega_async.api.types import WeightVersion
 
     addr = server.addresses[0]
@@ -464,21 +467,20 @@ def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
     assert post(addr, "/weights_checker", {"action": "compare"})[0] == 200
     assert post(addr, "/weights_checker", {"action": "bogus"})[0] == 400
 
-    version = WeightVersion()
-    sync = WeightSync([], version, RolloutSide(SGLangClient([addr])), timeout=60, verify_method="checksum")
+    sync = WeightSync([], WeightVersion(), RolloutSide(SGLangClient([addr])), timeout=60, verify_method="checksum")
+    verifier = sync.verifier  # the sync's verifier, asked as rank 0 asks it: (replies, unchanged, verdict)
     try:
-        assert sync._auto_method() == "checksum"  # the embedded server hashes what it holds: the exact digest
-        assert sync._verify_checksums() is None  # the first verify records the checksums
+        assert verifier._auto_method() == "checksum"  # the embedded server hashes what it holds: the exact digest
+        assert verifier._verify_checksums(0, None)[2] is None  # the first check records the checksums
         assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v1"),
                                                         "weight_version": "1"})[0] == 200
-        version.set(1)
-        assert sync._verify_checksums() is None  # changed with the "sync" to version 1
+        assert verifier._verify_checksums(1, None) == ([(ANY, ANY)], [], None)  # changed with the "sync" to 1
         assert post(addr, "/update_weight_version", {"new_version": "2"})[0] == 200
-        version.set(2)
-        assert sync._verify_checksums() is None  # the same weights at version 2: judged by the digest, or ...
-        assert "did not change with the sync to version 2" in sync._unchanged_verdict()  # ... without one, not
-        version.set(3)
-        assert "reports weight_version '2', expected 3" in sync._verify_checksums()
+        _, unchanged, verdict = verifier._verify_checksums(2, None)
+        assert verdict is None  # the same weights at version 2: judged by the digest, or ...
+        assert "did not change with the sync to version 2" in _unchanged_verdict(2, unchanged, set())  # ... not
+        assert _unchanged_verdict(2, unchanged, {unchanged[0][0]}) is None  # the digest found it equal
+        assert "reports weight_version '2', expected 3" in verifier._verify_checksums(3, None)[2]
     finally:
         sync.close()
         assert post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"),

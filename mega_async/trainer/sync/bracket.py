@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import inspect
 import logging
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -26,9 +25,10 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from mega_async.utils.events import NullEventLog
-from mega_async.trainer.sync.common import INTERRUPT_MODES, SLACK_S, HttpLoop, RolloutSide, SyncError
+from mega_async.trainer.sync.common import INTERRUPT_MODES, HttpLoop, RolloutSide, SyncError
+from mega_async.trainer.sync.servers import ServerCalls
+from mega_async.trainer.sync.verify import Verifier
 from mega_async.utils.comm import agree, from_rank0, rank
-from mega_async.trainer.sync.verify import Verification
 from mega_async.api.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
@@ -58,8 +58,10 @@ def no_gc_pass() -> Iterator[None]:
             gc.enable()
 
 
-class WeightSync(Verification):
-    """Common part of both modes: the version, the pause bracket, verification. Subclasses `_update`."""
+class WeightSync:
+    """Common part of both modes: the version, the pause bracket, the phase chain; it holds rank 0's `ServerCalls`
+    (`servers`, None on the other ranks) and the `Verifier`. Subclasses (the transports) send the weights
+    (`_update`) and may take part in the other phases through the hooks below."""
 
     sends_new_weights = True  # every push sends weights that differ from the last (a training step ran)
     catches_up = False  # the trainer brings a server that came back behind up to date (`catch_up`, between steps)
@@ -74,24 +76,21 @@ class WeightSync(Verification):
         self.version = version
         self.rollout = rollout if rank() == 0 else None
         self.timeout = timeout
-        self._verify_fn = verify
-        self.verify_tol = verify_tol
-        if verify_method not in ("auto", "probe", "checksum"):
-            raise ValueError(f"verify_method={verify_method!r}: use auto, probe or checksum")
-        self.verify_method = verify_method
         if interrupt not in INTERRUPT_MODES:
             raise ValueError(f"interrupt={interrupt!r}: use one of {INTERRUPT_MODES}")
         self.interrupt = interrupt
         self.flush_cache = interrupt != "in_place"  # SGLang 0.5.21+ fails an update whose flush finds requests
         self.fp8_block: Optional[tuple[int, int]] = None  # FP8 block quantization on the way (disk, distributed)
-        self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last verify
-        self._replies: list = []  # rank 0: the last verify's (server, /weights_checker reply)
-        self._flavors: dict = {}  # rank 0: how each server holds its weights (dtype, hash), learned once
-        self._warned_skip: list[str] = []  # the servers last said not to be compared with the trainer's digest
         self._targets: list[str] = []  # rank 0: the servers of the current (or last) push
-        self.temperature = temperature
         self._loop = HttpLoop()
+        self.servers = ServerCalls(self.rollout, self._loop, timeout) if self.rollout is not None else None
+        self.verifier = Verifier(self.models, self.servers, group=group, method=verify_method, tol=verify_tol,
+                                 temperature=temperature, logprobs=verify)
         self.last: dict[str, float] = {}
+
+    def _from_rank0(self, decide: Callable[[], Any]) -> Any:
+        """One decision: rank 0 makes it from the servers' answers (`decide()`), every rank gets it."""
+        return from_rank0(decide() if self.servers is not None else None, self.group)
 
     # ---- the bracket -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -115,11 +114,11 @@ class WeightSync(Verification):
                 try:
                     try:
                         if self.interrupt == "none":  # the non-interruptible baseline: generation finishes first
-                            self._wait(r.client.wait_idle(self.timeout), "waiting for the requests in flight")
+                            self.servers.call(r.client.wait_idle(self.timeout), "waiting for the requests in flight")
                         elif self.interrupt == "abort":  # aborted and back before the pause, unparked: SGLang's
                             # abort pause then has no request handler to wait for (it polls them once a second)
                             try:
-                                self._wait(r.client.abort_in_flight(min(self.timeout, ABORT_DRAIN_S)),
+                                self.servers.call(r.client.abort_in_flight(min(self.timeout, ABORT_DRAIN_S)),
                                            "aborting the requests in flight")
                             except Exception as e:  # noqa: BLE001 - a shortcut only: the pause aborts them anyway
                                 logger.warning("aborting the requests in flight ahead of the pause failed (%s: %s); "
@@ -128,12 +127,12 @@ class WeightSync(Verification):
                         # the HTTP call carries the sync's timeout, so it cannot land after continue; the rollout
                         # loop sleeps meanwhile, so digesting the aborted answers does not slow the pause calls
                         with self._rollout_parked(r):
-                            self._wait(r.client.pause_generation(mode=mode, timeout=self.timeout), "pause")
+                            self.servers.call(r.client.pause_generation(mode=mode, timeout=self.timeout), "pause")
                         self.events.emit("sync_end", phase="pause")
                         yield
                     finally:  # also when pausing failed half-way: no server stays paused
                         self.events.emit("sync_start", phase="continue")
-                        self._continue(r)
+                        self.servers.continue_all()
                         self.events.emit("sync_end", phase="continue")
                 finally:
                     r.client.resume()
@@ -141,17 +140,6 @@ class WeightSync(Verification):
                 if r.executor is not None:
                     r.executor.resume()
                     r.executor.wake()
-
-    def _continue(self, r: RolloutSide) -> None:
-        """The servers generate again. Never raises: it runs in `finally`, where an error would replace the sync's
-        own. A server that gave no answer in this sync is not waited for again (it is continued when it answers,
-        before it is re-admitted); one that times out now is logged by name."""
-        try:
-            cont = r.client.continue_generation(timeout=self.timeout)
-            if inspect.isawaitable(cont):
-                self._loop.run(cont, self.timeout + SLACK_S, "continue")
-        except Exception as e:  # noqa: BLE001
-            logger.warning("continuing the servers after the weight sync failed: %s: %s", type(e).__name__, e)
 
     def _rollout_parked(self, r: RolloutSide) -> Any:
         """The executor's rollout loop asleep (a bare client has no loop of its own to park)."""
@@ -175,7 +163,7 @@ class WeightSync(Verification):
                 first = first or e
                 if self.version.value != start or attempt == PUSH_ATTEMPTS:  # committed (a verify failed after
                     raise e                                                   # it), or out of attempts
-                lost = from_rank0(self._lost_servers() if self.rollout is not None else None, self.group)
+                lost = self._from_rank0(lambda: self.servers.lost(self._targets))
                 if not lost:
                     raise e
                 if self.rollout is not None:
@@ -184,37 +172,14 @@ class WeightSync(Verification):
                                    PUSH_ATTEMPTS)
         raise AssertionError("unreachable")
 
-    def _targets_now(self, probe: bool = False) -> list[str]:
-        client = self.rollout.client
-        if probe:  # a server that came back since it was last tried joins this sync
-            try:
-                self._loop.run(client.probe_down(), self.timeout + SLACK_S, "probing the servers that were down")
-            except Exception as e:  # noqa: BLE001 - it stays out of this sync
-                logger.warning("probing the servers that were down failed: %s: %s", type(e).__name__, e)
-        return [s.address for s in client.sync_targets()]
-
-    def _lost_servers(self) -> list[str]:
-        """Rank 0: servers of the failed push that are down now or lost their state (a restarted process)."""
-        client = self.rollout.client
-        try:
-            behind = set(self._loop.run(client.find_behind(self.timeout), self.timeout + SLACK_S,
-                                        "asking the servers for their weight versions"))
-        except Exception as e:  # noqa: BLE001 - the sync's own error is the one raised
-            logger.warning("asking the servers for their weight versions failed: %s: %s", type(e).__name__, e)
-            behind = set()
-        targets = client.sync_targets()
-        now = {s.address for s in targets}
-        behind |= {s.address for s in targets if s.rejoin}  # restarted since its group was built (found by a refusal)
-        return [a for a in self._targets if a not in now or a in behind]
-
     def _membership(self) -> None:
         """Before a push (every rank): the distributed sync rebuilds its group when the servers changed."""
 
     def _push_once(self, probe: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         target = self.version.value + 1
-        if self.rollout is not None:
-            self._targets = self._targets_now(probe=probe)
+        if self.servers is not None:
+            self._targets = self.servers.targets(probe=probe)
         self._membership()
         with self.events.span("sync", phase="prepare", version=target):
             errors = agree(self._guarded(self._prepare, target, "prepare"), self.group)  # disk: export
@@ -250,11 +215,21 @@ class WeightSync(Verification):
                             + (rolled or f"the servers keep version {self.version.value}"))
         self.version.set(from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
         self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
-        if self._verify_fn is not None:
+        if self.verifier.enabled:
             t1 = time.perf_counter()
-            self.last["sync/verify_max_abs_diff"] = self.verify()
+            self.verify()
             self.last["sync/verify_s"] = time.perf_counter() - t1
         return dict(self.last)
+
+    def verify(self, expect_change: Optional[bool] = None) -> float:
+        """The verifier's check of the last push's servers at the current version (every rank); its figures go into
+        `last`. `expect_change`: the push sent weights that differ from the last (default: `sends_new_weights`).
+        Returns the largest difference found (0 for the exact digest); raises SyncError."""
+        figures = self.verifier.check(self.version.value, self._targets,
+                                      expect_change=self.sends_new_weights if expect_change is None else expect_change,
+                                      fp8_block=self.fp8_block)
+        self.last.update(figures)
+        return figures["sync/verify_max_abs_diff"]
 
     def _run_phases(self, target: int, span_update: bool = True) -> list[str]:
         """The one phase chain of a push and of a catch-up, every rank, each phase agreed across ranks (the first
@@ -284,14 +259,6 @@ class WeightSync(Verification):
         """After every rank succeeded (distributed: the version is set on the servers only now)."""
         return None
 
-    def _wait(self, result: Any, what: str) -> Any:
-        """Wait for a client call (named `what` if it does not finish): coroutines run on the HTTP thread, and the
-        wait allows SLACK_S beyond the sync's timeout, which the call's own HTTP requests carry (so their timeout,
-        which names the server, comes first). The simulator answers at once."""
-        if not inspect.isawaitable(result):
-            return result
-        return self._loop.run(result, self.timeout + SLACK_S, what)
-
     # ---- catching up a server that came back behind --------------------------------------------
     def catch_up_due(self) -> bool:
         """Rank 0: a server waits for the trainer to bring it to the current weights (`catch_up`)."""
@@ -309,29 +276,8 @@ class WeightSync(Verification):
         raise NotImplementedError
 
     def _rollback(self) -> Optional[str]:
-        """Ask the servers to drop this sync; returns what went wrong (None: every server rolled back)."""
-        if self.rollout is None:
-            return None
-        client = self.rollout.client
-        # the servers of this push that still answer: one that gave no answer is not waited for again (back, it is
-        # behind: this sync's version never reached it, and it gets every weight of the next sync before it serves)
-        silent = set(client.silent)
-        targets = [a for a in (self._targets or client.addresses) if a not in silent]
-        try:  # a server may first finish a receive that is failing: allow it its own timeout too
-            replies = self._loop.run(client.rollback_weights(timeout=2 * self.timeout, addresses=targets),
-                                     2 * self.timeout + SLACK_S, "rollback")
-        except Exception as e:  # noqa: BLE001 - the run stops anyway; continue_generation comes next
-            logger.warning("rolling back the servers failed: %s: %s", type(e).__name__, e)
-            return f"rolling back the servers failed ({type(e).__name__}: {e}): they may serve partial weights"
-        if gone := [a for a, r in zip(targets, replies) if r is None] + sorted(silent & set(self._targets)):
-            logger.warning("server(s) %s not rolled back (no answer): out until they answer again, then behind "
-                           "(they get every weight of the next sync before they serve)", ", ".join(gone))
-        bad = [s for s, r in zip(targets, replies) if r is not None and not (isinstance(r, dict) and r.get("success"))]
-        for server in bad:
-            logger.warning("server %s could not roll back this sync: it may serve partially updated weights "
-                           "until the next successful sync or a reload", server)
-        return (f"servers {', '.join(bad)} could not roll back (no /rollback_weights: real SGLang) and may serve "
-                "partially updated weights" if bad else None)
+        """Rank 0 asks the servers to drop this sync; returns what went wrong (None: every server rolled back)."""
+        return self.servers.rollback(self._targets) if self.servers is not None else None
 
     def _begin(self, target: int) -> Optional[str]:
         """Inside the bracket, before any weight moves (distributed: open the servers' weight-update sessions)."""

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from mega_async.trainer.sync.bracket import WeightSync
-from mega_async.trainer.sync.common import SLACK_S, RolloutSide, fp8_block_of
+from mega_async.trainer.sync.common import RolloutSide, fp8_block_of
 from mega_async.utils.comm import rank
 from mega_async.api.types import WeightVersion
 
@@ -30,11 +30,13 @@ class ReloadWeightSync(WeightSync):
         self.path = str(Path(path).resolve())
 
     def _update(self, target: int) -> Optional[str]:
-        if self.rollout is None:
+        if self.servers is None:
             return None
         try:
-            self._wait(self.rollout.client.update_weights_from_disk(self.path, target, flush_cache=self.flush_cache,
-                                                                    timeout=self.timeout), "/update_weights_from_disk")
+            self.servers.call(self.servers.client.update_weights_from_disk(self.path, target,
+                                                                           flush_cache=self.flush_cache,
+                                                                           timeout=self.timeout),
+                              "/update_weights_from_disk")
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         return None
@@ -82,14 +84,14 @@ class DiskWeightSync(WeightSync):
         self.last = {"export_s": time.perf_counter() - t0}
 
     def _update(self, target: int) -> Optional[str]:
-        if self.rollout is None:
+        if self.servers is None:
             return None
         t0 = time.perf_counter()
         try:
-            self._loop.run(self.rollout.client.update_weights_from_disk(str(self.path(target)), target,
-                                                                        flush_cache=self.flush_cache,
-                                                                        timeout=self.timeout),
-                           self.timeout + SLACK_S, "/update_weights_from_disk")
+            self.servers.call(self.servers.client.update_weights_from_disk(str(self.path(target)), target,
+                                                                           flush_cache=self.flush_cache,
+                                                                           timeout=self.timeout),
+                              "/update_weights_from_disk")
         except Exception as e:  # noqa: BLE001
             return f"{type(e).__name__}: {e}"
         self.last["load_s"] = time.perf_counter() - t0
@@ -108,23 +110,13 @@ class DiskWeightSync(WeightSync):
     def _rollback(self) -> Optional[str]:
         """Every server reloads the current version's directory (the model itself at version 0): this works on
         real SGLang too, where a server that loaded the new version has no other way back."""
-        if self.rollout is None:
+        if self.servers is None:
             return None
         v = self.version.value
         path = self.path(v) if self.path(v).is_dir() else (Path(self.src_dir) if self.src_dir else None)
         if path is None:
             return super()._rollback()
-        client = self.rollout.client
-        silent = set(client.silent)  # gave no answer in this sync: not waited for again (back, it loads the
-        targets = [a for a in self._targets or client.addresses if a not in silent]  # current version: _recover)
-        try:
-            replies = self._loop.run(client.update_weights_from_disk(str(path.resolve()), v, check=False,
-                                                                     flush_cache=self.flush_cache, addresses=targets,
-                                                                     timeout=2 * self.timeout),
-                                     2 * self.timeout + SLACK_S, "reloading the current version (rollback)")
-        except Exception as e:  # noqa: BLE001
-            replies = [f"{type(e).__name__}: {e}"] * len(targets)
-        bad = [a for a, r in zip(targets, replies) if not (isinstance(r, dict) and r.get("success"))]
+        bad = self.servers.reload(str(path.resolve()), v, self._targets, self.flush_cache)
         if bad:
             logger.warning("servers %s could not reload version %d from %s", bad, v, path)
             return f"servers {', '.join(bad)} could not reload version {v} from {path} (a server whose own load failed " \

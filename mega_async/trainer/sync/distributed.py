@@ -118,9 +118,8 @@ class DistributedWeightSync(WeightSync):
                     raise ValueError("no server addresses: the distributed sync needs inference servers")
                 self.client = self.rollout.client if self.rollout is not None else SGLangClient(
                     list(addresses), api_key=api_key, request_timeout=self.timeout)
-                if self.rollout is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
-                    releases = self._loop.run(self.client.learn_releases(self.timeout), self.timeout + SLACK_S,
-                                              "asking the servers for their SGLang release")
+                if self.servers is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
+                    releases = self.servers.releases()
                     logger.info("servers' SGLang releases: %s", ", ".join(
                         f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}" if r is not None else
                         f"{a} down (asked before its first update)" for a, r in zip(self.client.addresses, releases)))
@@ -251,9 +250,10 @@ class DistributedWeightSync(WeightSync):
             self._targets = list(due)
         with self.events.span("sync", phase="catch_up", version=v):
             errors = self._send_current(due, v)
-            if not errors and self._verify_fn is not None:
-                try:
-                    self._verify_caught_up()
+            if not errors and self.verifier.enabled:
+                try:  # their weights equal the trainer's though unchanged since the last push; the other servers'
+                    with self.verifier.keeping_checksums():  # checksums stay for the next push's check
+                        self.verify(expect_change=False)
                 except SyncError as e:
                     errors = [str(e)]
         self.last = last  # the step's own sync figures, not these
@@ -278,16 +278,6 @@ class DistributedWeightSync(WeightSync):
             self._end_quietly()
             self._after_failure()
         return errors
-
-    def _verify_caught_up(self) -> None:
-        """verify_sync on the caught-up servers: their weights equal the trainer's, though unchanged since the
-        last push (the checksum method's "changed with the sync" does not apply); the other servers' checksums
-        are kept for the next push."""
-        kept = dict(self._checksums)
-        try:
-            self.verify(expect_change=False)
-        finally:
-            self._checksums = {**kept, **self._checksums}
 
     def push(self) -> dict[str, float]:
         try:
@@ -327,17 +317,16 @@ class DistributedWeightSync(WeightSync):
         servers that say so in /server_info take part (a real server would wait for a broadcast)."""
         unchecked = [a for a in addresses or self.client.addresses if a not in self._fleet_checked]
         if unchecked:  # once per server (a member the first time it joins): the same process kind after
-            infos = self._loop.run(self.client.server_info(self.timeout, addresses=unchecked), self.timeout + SLACK_S,
-                                   "/server_info")
+            infos = self.servers.server_info(unchecked)
             real = [a for a, i in zip(unchecked, infos) if (i.get("fleet") or {}).get("data_plane") != "none"]
             if real:
                 raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} "
                                  "has one: use the default data_plane='broadcast'")
             self._fleet_checked.update(unchecked)
-        self._loop.run(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
-                                                             gpus_per_server=self.gpus_per_server,
-                                                             timeout=self.timeout, addresses=addresses),
-                       self.timeout + SLACK_S, "/init_weights_update_group")
+        self.servers.call(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
+                                                                gpus_per_server=self.gpus_per_server,
+                                                                timeout=self.timeout, addresses=addresses),
+                          "/init_weights_update_group")
         self.pg = NO_DATA_PLANE
 
     def _update(self, target: int) -> Optional[str]:
@@ -399,10 +388,10 @@ class DistributedWeightSync(WeightSync):
         weight_version only on success), so a failed sync never leaves a server claiming the new one. It also
         flushes the cache, once per sync (the buckets do not: the servers are paused in between). A server lost
         since the last bucket (down, or restarted) is left out instead of failing the others."""
-        if self.rollout is not None and self.pg is not None:
-            lost = self._loop.run(self.client.commit_distributed(self.group_name, target, flush_cache=self.flush_cache,
-                                                                 timeout=self.timeout), self.timeout + SLACK_S,
-                                  "commit")
+        if self.servers is not None and self.pg is not None:
+            lost = self.servers.call(self.client.commit_distributed(self.group_name, target,
+                                                                    flush_cache=self.flush_cache,
+                                                                    timeout=self.timeout), "commit")
             if lost:  # every bucket reached them before; they come back behind and are brought up to date
                 logger.warning("server(s) %s went down during the commit of version %d; the others serve it",
                                ", ".join(lost), target)
@@ -413,10 +402,9 @@ class DistributedWeightSync(WeightSync):
         distributed updates outside one are refused), before any stage streams its first bucket, and decides
         whether the model's MTP layers go to these servers (every stage head hears it)."""
         error, plan = None, (False, None)
-        if self.rollout is not None and self.pg is not None:
+        if self.servers is not None and self.pg is not None:
             try:
-                self._loop.run(self.client.begin_weight_update(timeout=self.timeout), self.timeout + SLACK_S,
-                               "begin_weight_update")
+                self.servers.call(self.client.begin_weight_update(timeout=self.timeout), "begin_weight_update")
                 if self.resharder.bridge.mtp_layers:
                     plan = self.client.mtp_plan()
             except Exception as e:  # noqa: BLE001 - every rank hears rank 0's plan below first
@@ -440,17 +428,16 @@ class DistributedWeightSync(WeightSync):
         return out
 
     def _end(self, target: int) -> Optional[str]:
-        if self.rollout is not None and self.client is not None:
-            self._loop.run(self.client.end_weight_update(timeout=self.timeout), self.timeout + SLACK_S,
-                           "end_weight_update")
+        if self.servers is not None and self.client is not None:
+            self.servers.call(self.client.end_weight_update(timeout=self.timeout), "end_weight_update")
         return None
 
     def _end_quietly(self) -> None:
-        if self.rollout is None or self.client is None:
+        if self.servers is None or self.client is None:
             return
         try:
-            self._loop.run(self.client.end_weight_update(check=False, timeout=self.timeout), self.timeout + SLACK_S,
-                           "closing the weight-update sessions")
+            self.servers.call(self.client.end_weight_update(check=False, timeout=self.timeout),
+                              "closing the weight-update sessions")
         except Exception as e:  # noqa: BLE001 - the sync has failed already; this must not hide why
             logger.warning("closing the servers' weight-update sessions failed: %s: %s", type(e).__name__, e)
         if self.client.sessions_open:
@@ -566,7 +553,7 @@ class DistributedWeightSync(WeightSync):
                 named = list(zip(bucket.names, bucket.tensors))
                 for address, reply in zip(members, replies):
                     sums = {n: c for r in (reply or {}).get("ranks") or [] for n, c in (r.get("checksums") or {}).items()}
-                    if holds(sums, named, self.num_experts) is False:
+                    if holds(sums, named, self.verifier.num_experts) is False:
                         missed.append(address)
             except Exception as e:  # noqa: BLE001 - then every member is a suspect
                 logger.warning("asking the servers which of them received the bucket failed: %s: %s",

@@ -1,14 +1,15 @@
-"""Verification after a push: every server serves the sync's weights (logprob probe or /weights_checker).
+"""Verification after a push: every server serves the sync's weights (the trainer's exact digest against each
+server's /weights_checker, or a logprob probe). A component the sync holds (`Verifier`), with explicit inputs.
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from mega_async.trainer.sync.common import SLACK_S, SyncError
+from mega_async.trainer.sync.common import SyncError
 from mega_async.utils.comm import from_rank0, rank
 from mega_async.bridge.mtp import is_mtp_hf_name
 from mega_async.trainer.sync.digest import DigestBuilder, compare, learn_flavor
@@ -16,41 +17,84 @@ from mega_async.trainer.sync.digest import DigestBuilder, compare, learn_flavor
 logger = logging.getLogger("mega_async.trainer.sync")
 
 
-class Verification:
-    """The verify half of WeightSync (mixed in): reads the sync's version, rollout side, loop and targets."""
+class Verifier:
+    """Verification after a push, every trainer rank: every server serves the sync's weights. Its inputs are explicit:
+    the trainer's models (the digest and the probe's logprobs are theirs), rank 0's `ServerCalls` (None on the other
+    ranks, which hear rank 0's verdicts), the ranks' agreement group, and per check the version, the servers the push
+    went to and the FP8 block the weights went out in. What it keeps between checks: each server's last checksum
+    (whether it changed with a sync), how each server holds its weights (dtype and hash, learned once), and what it
+    last warned of."""
 
-    def verify(self, expect_change: Optional[bool] = None) -> float:
-        """Check that every server serves this sync's weights; raises SyncError naming the server and what differs.
+    def __init__(self, models: Sequence[torch.nn.Module], servers: Any, *, group: Any = None, method: str = "auto",
+                 tol: float = 1e-4, temperature: float = 1.0,
+                 logprobs: Optional[Callable[[dict], torch.Tensor]] = None):
+        if method not in METHODS:
+            raise ValueError(f"verify_method={method!r}: use auto, probe or checksum")
+        self.models = list(models)
+        self.servers = servers  # rank 0: ServerCalls; None elsewhere
+        self.group = group
+        self.method = method
+        self.tol = tol
+        self.temperature = temperature
+        self.logprobs = logprobs  # the trainer's logprobs of a batch (collective); None: no verification
+        self._checksums: dict[str, str] = {}  # each server's /weights_checker checksum at the last check
+        self._flavors: dict = {}  # how each server holds its weights (dtype, hash), learned once
+        self._warned_skip: list[str] = []  # the servers last said not to be compared with the trainer's digest
+        self._last_missed: Optional[list] = None  # the experts the probe last never selected
 
-        probe: every server's logprobs for a crafted probe set equal the trainer's own (`verify_tol`), the probe
-        grown until the trainer's own routing selected every routed expert of every MoE layer (or the experts it
-        never selected named); returns the largest difference. checksum: every server's `/weights_checker`
-        per-tensor checksums equal the trainer's digest of its own weights (`digest.py`), the server reports the
-        sync's version, and (for what the digest cannot rebuild) its checksum changed with the sync and servers
-        of one layout agree (`expect_change`: the sync sent weights that differ from the last; default: the sync's
-        `sends_new_weights`); returns 0. auto: checksum wherever the servers can hash their weights (the embedded
-        server, SGLang 0.5.18+), else probe (`_auto_method`)."""
-        expect_change = self.sends_new_weights if expect_change is None else expect_change
-        method = self.verify_method
+    @property
+    def enabled(self) -> bool:
+        return self.logprobs is not None
+
+    def check(self, version: int, pushed: Sequence[str] = (), *, expect_change: bool = True,
+              fp8_block: Optional[tuple[int, int]] = None) -> dict[str, float]:
+        """Check that every server of the push (`pushed`, rank 0's; those still up) serves version `version`'s
+        weights; raises SyncError naming the server and what differs. Returns the check's figures
+        (`sync/verify_max_abs_diff`, and the probe's rounds and uncovered experts).
+
+        probe: every server's logprobs for a crafted probe set equal the trainer's own (`tol`), the probe grown
+        until the trainer's own routing selected every routed expert of every MoE layer (or the experts it never
+        selected named); the difference is the largest one. checksum: every server's `/weights_checker` per-tensor
+        checksums equal the trainer's digest of its own weights (`digest.py`), the server reports the sync's
+        version, and (for what the digest cannot rebuild) its checksum changed with the sync and servers of one
+        layout agree (`expect_change`: the sync sent weights that differ from the last); the difference is 0.
+        auto: checksum wherever the servers can hash their weights (the embedded server, SGLang 0.5.18+), else
+        probe (`_auto_method`)."""
+        method = self.method
         if method == "auto":
-            method = from_rank0(self._auto_method() if self.rollout is not None else None, self.group)
+            method = self._from_rank0(self._auto_method)
         if method == "checksum":
-            verdict = from_rank0(self._verify_checksums() if self.rollout is not None else None, self.group)
+            addresses = self.servers.still_up(pushed) if self.servers is not None else None
+            replies, unchanged, verdict = self._from_rank0(self._verify_checksums, version, addresses)
             # the trainer's digest first: it names the server and the tensors, where "unchanged" or "servers
             # disagree" does not say which tensors (or, between two servers, which of them is wrong)
-            verdict = self._against_trainer() or verdict
+            digested: set[str] = set()
+            verdict = self._against_trainer(version, replies, fp8_block, digested) or verdict
             if verdict is None and expect_change:  # a server the digest judged equal to the trainer is right even
                 # if a step left the weights as they were (zero advantages); only the others must have changed
-                verdict = from_rank0(self._unchanged_verdict() if self.rollout is not None else None, self.group)
+                verdict = self._from_rank0(_unchanged_verdict, version, unchanged, digested)
             if verdict is not None:
                 raise SyncError(f"verify_sync: {verdict}")
-            return 0.0
-        return self._verify_probe()
+            return {"sync/verify_max_abs_diff": 0.0}
+        return self._verify_probe(version, pushed)
+
+    @contextlib.contextmanager
+    def keeping_checksums(self) -> Iterator[None]:
+        """A check of some servers only (a catch-up): the others' last checksums stay for the next push's check."""
+        kept = dict(self._checksums)
+        try:
+            yield
+        finally:
+            self._checksums = {**kept, **self._checksums}
+
+    def _from_rank0(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One decision: rank 0 computes it from the servers' answers, every rank gets it."""
+        return from_rank0(fn(*args) if self.servers is not None else None, self.group)
 
     @property
     def _bridge(self) -> Any:
         """The trainer's model bridge (None: no model, e.g. a control-plane-only sync)."""
-        if not getattr(self, "models", None):
+        if not self.models:
             return None
         from mega_async.bridge import bridge_for
 
@@ -59,11 +103,11 @@ class Verification:
     @property
     def num_experts(self) -> Optional[int]:
         """Routed experts per MoE layer of the trainer's model (None: dense, or no model)."""
-        if self._bridge is None:
-            return None
-        cfg = self._bridge.hf_config
-        return next((int(v) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                     if (v := getattr(cfg, k, None))), None)
+        return num_experts_of(self.models)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._bridge.hf_config.vocab_size) if self.models else 100
 
     @property
     def _mtp_from(self) -> Optional[int]:
@@ -79,117 +123,96 @@ class Verification:
             return checksums
         return {n: c for n, c in checksums.items() if not is_mtp_hf_name(n, b.num_layers)}
 
-    def _verified(self) -> Optional[list[str]]:
-        """Rank 0: the servers a verify checks: those of this push that are still up (None: every server)."""
-        if not self._targets:
-            return None
-        now = set(self._targets_now())
-        return [a for a in self._targets if a in now]
-
     def _auto_method(self) -> str:
-        """checksum (the trainer's exact digest) wherever the servers can hash what they hold: the embedded server
-        and every tested SGLang release (0.5.18+: /weights_checker). The probe's tolerance cannot tell a stale
-        bucket from a training step at real learning rates (lr 1e-5 moves a logprob by ~1e-5, below any
+        """Rank 0: checksum (the trainer's exact digest) wherever the servers can hash what they hold: the embedded
+        server and every tested SGLang release (0.5.18+: /weights_checker). The probe's tolerance cannot tell a
+        stale bucket from a training step at real learning rates (lr 1e-5 moves a logprob by ~1e-5, below any
         tolerance that bf16 servers pass), so it is used only when asked for (trainer.verify_sync_method=probe)
         or where a server cannot hash its weights."""
-        client = self.rollout.client
         try:
-            releases = self._loop.run(client.learn_releases(self.timeout), self.timeout + SLACK_S,
-                                      "asking the servers for their SGLang release")
+            releases = self.servers.releases()
         except Exception:  # noqa: BLE001 - the checksum call reports an unreachable server itself
             return "checksum"
         return "checksum" if all(r is None or r.embedded or _hashes(r) for r in releases) else "probe"
 
-    def _verify_checksums(self) -> Optional[str]:
-        """Rank 0: None when every server reports this sync's version and alike servers agree; the servers whose
-        checksum did not change since the last verify are kept for `_unchanged_verdict`."""
-        client = self.rollout.client
-        addresses = self._verified()
-        self._replies, self._unchanged, self._digested = [], [], set()
+    def _verify_checksums(self, version: int, addresses: Optional[list[str]]) -> tuple[list, list, Optional[str]]:
+        """Rank 0: (the replies of the servers at `version`, to compare with the trainer's digest; the servers whose
+        checksum did not change since the last check; None when every server reports `version` and alike servers
+        agree, else what is wrong)."""
         if addresses == []:
-            return "no server of this sync is up to be verified"
+            return [], [], "no server of this sync is up to be verified"
         try:
-            replies = self._loop.run(client.weights_checksums(self.timeout, addresses), self.timeout + SLACK_S,
-                                     "/weights_checker")
-            infos = self._loop.run(client.model_info(addresses, timeout=self.timeout), self.timeout + SLACK_S,
-                                   "/model_info")
+            replies, infos = self.servers.checksums(addresses)
         except Exception as e:  # noqa: BLE001
-            return f"/weights_checker failed: {type(e).__name__}: {e}"
+            return [], [], f"/weights_checker failed: {type(e).__name__}: {e}"
+        at_version: list = []
+        unchanged: list[tuple[str, str]] = []
         layouts: dict[str, list[tuple[str, str]]] = {}
-        for address, reply, info in zip(addresses or client.addresses, replies, infos):
-            if str(info.get("weight_version")) == str(self.version.value) and isinstance(reply, dict):
-                self._replies.append((address, reply))  # compared with the trainer's digest next
-            if str(info.get("weight_version")) != str(self.version.value):
-                return (f"server {address} reports weight_version {info.get('weight_version')!r}, "
-                        f"expected {self.version.value}")
+        for address, reply, info in zip(addresses or self.servers.client.addresses, replies, infos):
+            if str(info.get("weight_version")) != str(version):
+                return at_version, unchanged, (f"server {address} reports weight_version "
+                                               f"{info.get('weight_version')!r}, expected {version}")
+            if isinstance(reply, dict):
+                at_version.append((address, reply))  # compared with the trainer's digest next
             checksum = reply.get("per_engine_checksum") if isinstance(reply, dict) else None
             if not isinstance(checksum, str):
-                return f"server {address}'s /weights_checker gave no per_engine_checksum: {reply!r}"[:300]
+                return at_version, unchanged, f"server {address}'s /weights_checker gave no per_engine_checksum: " \
+                                              f"{reply!r}"[:300]
             if self._checksums.get(address) == checksum:
-                self._unchanged.append((address, checksum))
+                unchanged.append((address, checksum))
             layouts.setdefault(_layout_key(reply), []).append((address, checksum))
         for same in layouts.values():
             if len({c for _, c in same}) > 1:
-                return ("servers of one layout serve different weights at version "
-                        f"{self.version.value}: " + ", ".join(f"{a} {c[:16]}" for a, c in same))
+                return at_version, unchanged, ("servers of one layout serve different weights at version "
+                                               f"{version}: " + ", ".join(f"{a} {c[:16]}" for a, c in same))
         self._checksums = {a: c for same in layouts.values() for a, c in same}
-        return None
+        return at_version, unchanged, None
 
-    def _unchanged_verdict(self) -> Optional[str]:
-        """Rank 0: a server whose checksum did not change with this sync, and that the trainer's digest did not find
-        equal to the trainer's weights (its checksums could not be rebuilt), may have missed the sync."""
-        for address, checksum in getattr(self, "_unchanged", []):
-            if address not in getattr(self, "_digested", set()):
-                return (f"server {address}'s weights did not change with the sync to version {self.version.value} "
-                        f"(checksum {checksum[:16]}) and cannot be compared with the trainer's digest")
-        return None
-
-    def _against_trainer(self) -> Optional[str]:
+    def _against_trainer(self, version: int, replies: list, fp8_block: Optional[tuple[int, int]],
+                         digested: set[str]) -> Optional[str]:
         """Every rank (the export is collective): rank 0 compares each server's per-tensor checksums with the
         trainer's digest of its own weights, which equal those the sync sent (nothing trains between the push and
-        its verify). Returns rank 0's verdict on every rank."""
+        its check); the servers found equal go into `digested`. Returns rank 0's verdict on every rank."""
         from mega_async.trainer.weights import export_hf_weights
 
-        plan = self._digest_plan() if self.rollout is not None else None
+        plan = self._digest_plan(replies, fp8_block) if self.servers is not None else None
         if not from_rank0(plan is not None and bool(plan.servers), self.group):
             return None
         try:
-            for name, t in self._as_servers_hold(export_hf_weights(self.models)):
+            for name, t in self._as_servers_hold(export_hf_weights(self.models), fp8_block):
                 if plan is not None:
                     plan.add(name, t)
-            verdict = plan.verdict(self.version.value) if plan is not None else None
+            verdict = plan.verdict(version) if plan is not None else None
             if plan is not None and verdict is None:
-                self._digested = {a for a, _ in plan.servers}  # each holds exactly the trainer's weights
+                digested.update(a for a, _ in plan.servers)  # each holds exactly the trainer's weights
         except Exception as e:  # noqa: BLE001 - only rank 0 computes; the verdict is shared below
             verdict = f"computing the trainer's digest failed: {type(e).__name__}: {e}"
         return from_rank0(verdict, self.group)
 
-    def _as_servers_hold(self, named: Any) -> Any:
+    def _as_servers_hold(self, named: Any, fp8_block: Optional[tuple[int, int]]) -> Any:
         """The trainer's tensors as a server holds them after this sync: an FP8 sync's weights went out quantized
         (the same blocks and formula as `_fp8_bucket` and the disk export), and a server started on an FP8
         checkpoint dequantizes each weight with its scale (`server.weights.updates_dequantized`), so the digest
         is of dequant(quant(w)), bit for bit what it holds."""
-        if self.fp8_block is None:
+        if fp8_block is None:
             return named
-        from mega_async.bridge import bridge_for, fp8
+        from mega_async.bridge import fp8
 
-        skip = fp8.skipped_modules(bridge_for(self.models).hf_config)
-        return fp8.dequantize_named(fp8.quantize_named(named, self.fp8_block, skip), self.fp8_block)
+        skip = fp8.skipped_modules(self._bridge.hf_config)
+        return fp8.dequantize_named(fp8.quantize_named(named, fp8_block, skip), fp8_block)
 
-    def _digest_plan(self) -> Optional["DigestPlan"]:
+    def _digest_plan(self, replies: list, fp8_block: Optional[tuple[int, int]]) -> Optional["DigestPlan"]:
         """Rank 0: the servers (and ranks) whose checksums can be compared with a digest the trainer rebuilds."""
-        replies = getattr(self, "_replies", None) or []
         if not replies:
             return None
         skipped: list[str] = []
         try:
-            infos = self._loop.run(self.rollout.client.server_info(self.timeout, [a for a, _ in replies]),
-                                   self.timeout + SLACK_S, "/server_info") if replies else []
+            infos = self.servers.server_info([a for a, _ in replies])
         except Exception as e:  # noqa: BLE001
             raise SyncError(f"verify_sync: /server_info failed: {type(e).__name__}: {e}") from e
         plan = DigestPlan(self.num_experts, self._flavors, self._mtp_from)
         for (address, reply), info in zip(replies, infos):
-            why = _not_rebuilt(reply, info, self.fp8_block is not None)
+            why = _not_rebuilt(reply, info, fp8_block is not None)
             if why:
                 skipped.append(f"{address} ({why})")
                 continue
@@ -201,17 +224,14 @@ class Verification:
                            "; ".join(skipped))
         return plan
 
-    def _verify_probe(self) -> float:
+    def _verify_probe(self, version: int, pushed: Sequence[str]) -> dict[str, float]:
         """The crafted probe set (`probe_prompts`): each round's prompts to every server, the trainer's logprobs of
         what each server generated compared with the server's, and the trainer's own routing of those sequences
         recorded; rounds grow until every routed expert of every MoE layer was selected at least once (at most
         PROBE_ROUNDS), else the experts never selected are named in a warning and in `sync/verify_uncovered`."""
         worst, coverage = 0.0, None
         for round_ in range(PROBE_ROUNDS):
-            probes: Any = None
-            if self.rollout is not None:
-                probes = self._probe_servers(probe_prompts(round_, self.vocab_size))
-            probes = from_rank0(probes, self.group)
+            probes = self._from_rank0(self._probe_servers, probe_prompts(round_, self.vocab_size), pushed)
             if isinstance(probes, str):
                 raise SyncError(f"verify_sync: {probes}")
             from megatron.core import parallel_state as mpu
@@ -220,13 +240,13 @@ class Verification:
             rows = max(len(probes), 4 * mpu.get_pipeline_model_parallel_world_size())
             batch = _probe_batch([probes[i % len(probes)] for i in range(rows)])
             with ExpertCoverage(self.models, self.num_experts) as seen:
-                mine = self._verify_fn(batch)  # collective on every rank
+                mine = self.logprobs(batch)  # collective on every rank
             seen = seen.reduced(self.group)
             before = None if coverage is None else int(coverage.sum())
             coverage = seen if coverage is None else coverage | seen
             verdict: Any = None
             if rank() == 0:  # rank 0 decides for all (DP replicas may differ in the last bits on GPU)
-                verdict, worst = self._probe_verdict(probes, mine, worst)
+                verdict, worst = self._probe_verdict(version, probes, mine, worst)
             verdict = from_rank0(verdict, self.group)
             if isinstance(verdict, str):
                 raise SyncError(f"verify_sync: {verdict}")
@@ -235,64 +255,73 @@ class Verification:
             if before is not None and int(coverage.sum()) == before:
                 break  # a round twice as large found no new expert: the routers never pick the rest (a collapsed
                 # router), so more rounds only cost time; the rest is named below
-        self.last["sync/verify_probe_rounds"] = float(round_ + 1)
-        self.last["sync/verify_uncovered"] = 0.0
+        out = {"sync/verify_max_abs_diff": worst, "sync/verify_probe_rounds": float(round_ + 1),
+               "sync/verify_uncovered": 0.0}
         if coverage is not None and not bool(coverage.all()):
             missed = [(layer, e) for layer, e in (~coverage).nonzero().tolist()]
-            self.last["sync/verify_uncovered"] = float(len(missed))
+            out["sync/verify_uncovered"] = float(len(missed))
             if rank() == 0:  # a warning when the set changes, not every step of a run whose routers collapsed
-                say = logger.warning if missed != getattr(self, "_last_missed", None) else logger.debug
+                say = logger.warning if missed != self._last_missed else logger.debug
                 say("verify_sync: the probe never selected %d routed expert(s), whose weights it did not check: %s",
                     len(missed), ", ".join(f"layer {layer} expert {e}" for layer, e in missed[:12]))
             self._last_missed = missed
-        return worst
+        return out
 
-    @property
-    def vocab_size(self) -> int:
-        from mega_async.bridge import bridge_for
-
-        return int(bridge_for(self.models).hf_config.vocab_size) if getattr(self, "models", None) else 100
-
-    def _probe_servers(self, prompts: list[list[int]]) -> Any:
+    def _probe_servers(self, prompts: list[list[int]], pushed: Sequence[str]) -> Any:
         """Rank 0: every prompt on every server of this sync: [(prompt, output, logprobs, version, address)], or
         the failure as a string."""
-        client = self.rollout.client
-        chosen = set(self._verified() or client.addresses)
-        index = [i for i, a in enumerate(client.addresses) if a in chosen]
-
-        def payload(prompt: list[int]) -> dict:
-            return {"input_ids": prompt, "return_logprob": True,
-                    "sampling_params": {"max_new_tokens": PROBE_NEW_TOKENS, "temperature": self.temperature,
-                                        "ignore_eos": True}}
-
-        async def all_servers() -> list:
-            return list(await asyncio.gather(*(client.generate_on(i, payload(p), timeout=self.timeout)
-                                               for i in index for p in prompts)))
-
+        addresses = self.servers.still_up(pushed) or self.servers.client.addresses
+        payloads = [{"input_ids": p, "return_logprob": True,
+                     "sampling_params": {"max_new_tokens": PROBE_NEW_TOKENS, "temperature": self.temperature,
+                                         "ignore_eos": True}} for p in prompts]
         try:
-            outs = self._loop.run(all_servers(), self.timeout + SLACK_S, "the verification probe")
+            outs = self.servers.generate(payloads, addresses)
         except Exception as e:  # noqa: BLE001
             return f"probe failed: {type(e).__name__}: {e}"
-        where = [(client.addresses[i], p) for i in index for p in prompts]
-        return [(p, o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]],
-                 o["meta_info"].get("weight_version"), a) for (a, p), o in zip(where, outs)]
+        return [(prompts[j % len(prompts)], o["output_ids"], [x[0] for x in o["meta_info"]["output_token_logprobs"]],
+                 o["meta_info"].get("weight_version"), a) for j, (a, o) in enumerate(outs)]
 
-    def _probe_verdict(self, probes: list, mine: torch.Tensor, worst: float) -> tuple[Optional[str], float]:
+    def _probe_verdict(self, version: int, probes: list, mine: torch.Tensor,
+                       worst: float) -> tuple[Optional[str], float]:
         by_server: dict[str, float] = {}
-        for i, (prompt, out, lps, version, address) in enumerate(probes):
-            if str(version) != str(self.version.value):
-                return f"server {address} reports weight_version {version!r}, expected {self.version.value}", worst
+        for i, (prompt, out, lps, got_version, address) in enumerate(probes):
+            if str(got_version) != str(version):
+                return f"server {address} reports weight_version {got_version!r}, expected {version}", worst
             want = mine[i, len(prompt):len(prompt) + len(out)]
             got = torch.tensor([float("-inf") if x is None else float(x) for x in lps])
             diff = float((got - want).abs().max()) if len(out) else 0.0
             by_server[address] = max(by_server.get(address, 0.0), diff)
         worst = max([worst, *by_server.values()])
-        bad = {a: d for a, d in by_server.items() if not d <= self.verify_tol}
+        bad = {a: d for a, d in by_server.items() if not d <= self.tol}
         if bad:
             return ("server logprobs differ from the trainer's at version "
-                    f"{self.version.value} (> {self.verify_tol:g}): "
+                    f"{version} (> {self.tol:g}): "
                     + ", ".join(f"server {a} by {d:.3g}" for a, d in bad.items())), worst
         return None, worst
+
+
+METHODS = ("auto", "probe", "checksum")  # trainer.verify_sync_method
+
+
+def num_experts_of(models: Sequence[torch.nn.Module]) -> Optional[int]:
+    """Routed experts per MoE layer of the trainer's model (None: dense, or no model)."""
+    if not models:
+        return None
+    from mega_async.bridge import bridge_for
+
+    cfg = bridge_for(models).hf_config
+    return next((int(v) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                 if (v := getattr(cfg, k, None))), None)
+
+
+def _unchanged_verdict(version: int, unchanged: list[tuple[str, str]], digested: set[str]) -> Optional[str]:
+    """A server whose checksum did not change with this sync, and that the trainer's digest did not find equal to
+    the trainer's weights (its checksums could not be rebuilt), may have missed the sync."""
+    for address, checksum in unchanged:
+        if address not in digested:
+            return (f"server {address}'s weights did not change with the sync to version {version} "
+                    f"(checksum {checksum[:16]}) and cannot be compared with the trainer's digest")
+    return None
 
 
 # the crafted probe: round r has 4 * 2**r prompts of PROBE_PROMPT_LEN tokens drawn with seed r from the vocabulary,
