@@ -21,16 +21,15 @@ a result consumed at version s has head version >= s - eta.
 from __future__ import annotations
 
 import collections
-import heapq
 import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
 from mega_async.utils.events import NullEventLog
 from mega_async.reward import RewardUnavailable
+from mega_async.rollout.book import DONE, RUNNING, WAITING, Episode, EpisodeBook
 from mega_async.rollout.dataloader import Sample
 from mega_async.rollout.journal import EpisodeJournal, JournaledEngine
 from mega_async.rollout.ledger import Ledger
@@ -54,15 +53,6 @@ class RolloutError(RuntimeError):
 
 class WaitInterrupted(Exception):
     """prepare_batch() or fill() returned early because its `interrupt()` said so; nothing was taken."""
-
-
-@dataclass
-class _Task:
-    data: Any
-    tag: Optional[dict]
-    workflow: RolloutWorkflow
-    journal: EpisodeJournal = field(default_factory=EpisodeJournal)
-    head: Optional[int] = None  # set at admission
 
 
 class WorkflowExecutor:
@@ -96,11 +86,7 @@ class WorkflowExecutor:
         self._runner = AsyncTaskRunner(admit=self.staleness.try_submit, name="rollout", on_admitted=self._on_admitted)
         self._cond = threading.Condition()
         self._ids = itertools.count()
-        self._running_heads: dict[int, int] = {}  # task id -> head version, for admitted episodes
-        self._done: list[tuple[int, int, dict]] = []  # heap of (head version, task id, result)
-        # per-version counts (a handful of live versions) make the readiness check O(versions), not O(B)
-        self._running_by_head: collections.Counter[int] = collections.Counter()
-        self._done_by_head: collections.Counter[int] = collections.Counter()
+        self._book = EpisodeBook()  # every episode not yet consumed: waiting, running or done (under _cond)
         self._counts = {"accepted": 0, "rejected": 0, "failed": 0, "filtered": 0, "consumed": 0, "output_tokens": 0}
         self._consumed_staleness: collections.Counter[int] = collections.Counter()  # version at consumption - head
         # the consumer sleeps until its batch may be ready, the rollout went idle, or the pending queue fell to
@@ -114,7 +100,6 @@ class WorkflowExecutor:
         self._first_failure: Optional[str] = None  # of the current run of failures
         self._fatal: Optional[RolloutError] = None
         self.ledger = ledger
-        self._tasks: dict[int, _Task] = {}  # waiting, running, or finished and not yet consumed
         self.batches_out = 0  # batches handed out (= the consuming training step)
 
     @classmethod
@@ -166,15 +151,15 @@ class WorkflowExecutor:
                 "consume results with wait()/prepare_batch() before submitting more"
             )
         tid = next(self._ids)
-        task = _Task(data, tag, wf, journal or EpisodeJournal())
+        task = Episode(data, tag, wf, journal or EpisodeJournal())
         with self._cond:
-            self._tasks[tid] = task
+            self._book.add(tid, task)
         self.staleness.on_enqueued()
 
         async def episode(head_version: int) -> Any:
             with self._cond:
-                if tid not in self._running_heads:  # a restored episode is registered at submit
-                    self._mark_running(tid, task, head_version)
+                if not self._book.is_running(tid):  # a restored episode is registered at submit
+                    self._book.start(tid, head_version)
             self.events.emit("episode_admitted", task=tid, head=head_version)
             return await wf.arun_episode(JournaledEngine(self.engine, task.journal), data)
 
@@ -187,31 +172,21 @@ class WorkflowExecutor:
             else:
                 self.staleness.on_submitted()  # admitted before the checkpoint: counted as running again
                 with self._cond:  # running from now on: no batch may overtake its (older) head version
-                    self._mark_running(tid, task, head)
+                    self._book.start(tid, head)
                 self._runner.start_admitted(tid, episode, head, on_done)
         except RunnerError:
             if head is None:
                 self.staleness.on_submitted()
             self.staleness.on_rejected()
             with self._cond:
-                self._tasks.pop(tid, None)
-                registered = self._running_heads.pop(tid, None)
-                if registered is not None:
-                    self._dec(self._running_by_head, registered)
+                self._book.drop(tid)
             raise
         return tid
 
-    def _mark_running(self, tid: int, task: _Task, head: int) -> None:
-        """Caller holds the lock: the episode runs under `head` (the readiness check counts it)."""
-        task.head = head
-        self._running_heads[tid] = head
-        self._running_by_head[head] += 1
-
     def _on_done(self, tid: int, data: Any, result: Any, exc: Optional[BaseException]) -> None:
         with self._cond:
-            head = self._running_heads.pop(tid)
-            self._dec(self._running_by_head, head)
-            task = self._tasks[tid]
+            task = self._book.get(tid)
+            head = task.head
             verdict = "accepted"
             if exc is not None:
                 verdict = "failed"
@@ -231,15 +206,14 @@ class WorkflowExecutor:
             self._track_failures(verdict, exc)
             if verdict == "accepted":
                 self.staleness.on_accepted()
-                heapq.heappush(self._done, (head, tid, result))
-                self._done_by_head[head] += 1
+                self._book.finish(tid, result)
             else:
                 self.staleness.on_rejected()
-                del self._tasks[tid]
+                self._book.drop(tid)
                 if self.ledger is not None:
                     self.ledger.write(task.tag, verdict, head, result if isinstance(result, dict) else None,
                                       error=f"{type(exc).__name__}: {exc}" if exc is not None else None)
-            if self._want and (self._fatal is not None or not self._running_heads or self._ready(self._want)
+            if self._want and (self._fatal is not None or not self._book.any_running or self._book.ready(self._want)
                                or (self._want_refill and self.staleness.enqueued <= self._refill_mark)):
                 self._cond.notify_all()
 
@@ -274,35 +248,18 @@ class WorkflowExecutor:
             self._runner.pause()  # nothing new starts; wait()/prepare_batch() raise
 
     # ---- consumer --------------------------------------------------------------------------
-    def _ready(self, count: int) -> bool:
-        """`count` results can go out: none of them is newer than a still-running episode."""
-        if len(self._done) < count:
-            return False
-        if not self._running_by_head:
-            return True
-        oldest_running = min(self._running_by_head)
-        return sum(n for h, n in self._done_by_head.items() if h <= oldest_running) >= count
-
     def _take(self, count: int) -> list[dict]:
+        """Caller holds the lock: the `count` oldest results out of the book (`ready(count)` said they may go)."""
         out = []
         now = self.staleness.version
-        for _ in range(count):
-            head, tid, result = heapq.heappop(self._done)
-            self._consumed_staleness[now - head] += 1
-            self._dec(self._done_by_head, head)
-            task = self._tasks.pop(tid)
+        for _, ep in self._book.take(count):
+            self._consumed_staleness[now - ep.head] += 1
             if self.ledger is not None:
-                self.ledger.write(task.tag, "accepted", head, result, step=self.batches_out)
-            out.append(result)
+                self.ledger.write(ep.tag, "accepted", ep.head, ep.result, step=self.batches_out)
+            out.append(ep.result)
         self._counts["consumed"] += count
         self.batches_out += 1
         return out
-
-    @staticmethod
-    def _dec(counter: collections.Counter, key: int) -> None:
-        counter[key] -= 1
-        if counter[key] <= 0:
-            del counter[key]
 
     def _check_alive(self) -> None:
         if self._fatal is not None:
@@ -321,25 +278,25 @@ class WorkflowExecutor:
     def _wait_locked(self, count: int, timeout: float | None, deadline: float | None) -> list[dict]:
         while True:
             self._check_alive()
-            if self._ready(count):
+            if self._book.ready(count):
                 return self._take(count)
             self._raise_if_stuck(count)
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise TimeoutError(
-                    f"wait({count}) timed out after {timeout}s with {len(self._done)} results ready "
-                    f"and {len(self._running_heads)} running"
+                    f"wait({count}) timed out after {timeout}s with {self._book.done} results ready "
+                    f"and {self._book.running} running"
                 )
             self._want = count
             self._cond.wait(self._poll if remaining is None else min(self._poll, remaining))
 
     def _raise_if_stuck(self, count: int) -> None:
         """Nothing running and nothing can start: waiting would hang forever, so say why instead."""
-        if self._running_heads or len(self._done) >= count or self._runner.num_running:
+        if self._book.any_running or self._book.done >= count or self._runner.num_running:
             return
         if self._runner.paused:
             raise RuntimeError(
-                f"executor is paused with {len(self._done)} of {count} results ready and nothing running; "
+                f"executor is paused with {self._book.done} of {count} results ready and nothing running; "
                 "call resume() before waiting"
             )
         st = self.staleness.stats
@@ -358,47 +315,54 @@ class WorkflowExecutor:
         poll interval): `WaitInterrupted`, nothing taken (the trainer has to bring a server up to date first).
         """
         B = self.consumer_batch_size
-        while True:
-            exhausted = self._refill(dataloader, workflow)
-            with self._cond:
-                self._check_alive()
-                if self._ready(B):
-                    return self._take(B)
-                idle = not self._running_heads and self.staleness.stats["running"] == 0
-                if exhausted and idle and self._runner.num_pending == 0:
-                    raise RuntimeError(
-                        f"dataloader exhausted: {len(self._done)} accepted results, a batch needs {B}"
-                    )
-                self._raise_if_stuck(B)
-                if interrupt is not None and interrupt():
-                    raise WaitInterrupted()
-                self._want, self._want_refill = B, True
-                try:
-                    self._cond.wait(self._poll)
-                finally:
-                    self._want, self._want_refill = 0, False
+
+        def batch(idle: bool) -> Optional[list[dict]]:
+            return self._take(B) if self._book.ready(B) else None
+
+        return self._generate_until(dataloader, workflow, interrupt, batch, lambda idle: self._raise_if_stuck(B),
+                                    want=lambda: B, short=f", a batch needs {B}")
 
     def fill(self, dataloader: Iterable, workflow: RolloutWorkflow | None = None,
              interrupt: Optional[Callable[[], bool]] = None) -> None:
         """Generate until this version's staleness budget is spent and nothing runs (a stale-batch FIFO's
         producer step, rollout.stale_batches): every accepted group it leaves has this version as its head, or an
         older one, and no episode overlaps the training step that follows. Returns at once when already full."""
+
+        def full(idle: bool) -> Optional[bool]:
+            return True if idle and self.staleness.get_capacity() <= 0 else None
+
+        def stuck(idle: bool) -> None:
+            if self._runner.paused and idle:
+                raise RuntimeError("executor is paused with nothing running; call resume() before fill()")
+
+        self._generate_until(dataloader, workflow, interrupt, full, stuck,
+                             want=lambda: max(1, self._book.done + 1),  # woken when everything ended
+                             short=f" while filling version {self.version}'s budget")
+
+    def _generate_until(self, dataloader: Iterable, workflow: RolloutWorkflow | None,
+                        interrupt: Optional[Callable[[], bool]], outcome: Callable[[bool], Any],
+                        stuck: Callable[[bool], None], want: Callable[[], int], short: str) -> Any:
+        """The one wait loop of `prepare_batch` and `fill`: keep the pending queue full, then under the lock return
+        `outcome(idle)` once it is not None (`idle`: nothing admitted runs); a one-shot dataloader that ran dry with
+        nothing left to run raises (`short` says what was missing), `stuck(idle)` raises when waiting would hang,
+        and `interrupt()` true raises `WaitInterrupted` (nothing taken). Otherwise it sleeps until an episode's end
+        may have changed the answer (`want()` results wanted) or the pending queue fell to its refill mark."""
         while True:
             exhausted = self._refill(dataloader, workflow)
             with self._cond:
                 self._check_alive()
-                st = self.staleness.stats  # running there counts an admission before its episode registers
-                idle = not self._running_heads and st["running"] == 0 and self._runner.num_running == 0
-                if idle and st["capacity"] <= 0:
-                    return
+                # the staleness manager counts an admission before its episode reaches the book
+                idle = (not self._book.any_running and self.staleness.stats["running"] == 0
+                        and self._runner.num_running == 0)
+                out = outcome(idle)
+                if out is not None:
+                    return out
                 if exhausted and idle and self._runner.num_pending == 0:
-                    raise RuntimeError(f"dataloader exhausted: {len(self._done)} accepted results while filling "
-                                       f"version {self.version}'s budget")
-                if self._runner.paused and idle:
-                    raise RuntimeError("executor is paused with nothing running; call resume() before fill()")
+                    raise RuntimeError(f"dataloader exhausted: {self._book.done} accepted results{short}")
+                stuck(idle)
                 if interrupt is not None and interrupt():
                     raise WaitInterrupted()
-                self._want, self._want_refill = max(1, len(self._done) + 1), True  # woken when everything ended
+                self._want, self._want_refill = want(), True
                 try:
                     self._cond.wait(self._poll)
                 finally:
@@ -441,13 +405,9 @@ class WorkflowExecutor:
 
         def take() -> dict[str, Any]:
             with self._cond:
-                done = {tid: result for _, tid, result in self._done}
-                eps = []
-                for tid, t in sorted(self._tasks.items()):
-                    state = "done" if tid in done else ("running" if tid in self._running_heads else "waiting")
-                    eps.append({"tag": t.tag, "data": t.data, "head": t.head if state != "waiting" else None,
-                                "state": state, "journal": t.journal.snapshot() if state == "running" else [],
-                                "result": done.get(tid)})
+                eps = [{"tag": ep.tag, "data": ep.data, "head": ep.head if ep.state != WAITING else None,
+                        "state": ep.state, "journal": ep.journal.snapshot() if ep.state == RUNNING else [],
+                        "result": ep.result if ep.state == DONE else None} for _, ep in self._book]
                 return {"episodes": eps, "counts": dict(self._counts), "batches_out": self.batches_out,
                         "staleness": self.staleness.stats, "accept": self._accept_state()}
 
@@ -468,14 +428,12 @@ class WorkflowExecutor:
             self.batches_out = int(state["batches_out"])
             if state.get("accept") is not None and hasattr(self.should_accept, "load_state_dict"):
                 self.should_accept.load_state_dict(state["accept"])  # e.g. the dynamic filter's counters
-            for e in (e for e in eps if e["state"] == "done"):
-                tid = next(self._ids)
-                self._tasks[tid] = _Task(e["data"], e["tag"], wf, head=e["head"])
-                self.staleness.on_enqueued()
+            for e in (e for e in eps if e["state"] == DONE):
+                self._book.add(next(self._ids), Episode(e["data"], e["tag"], wf, head=e["head"], state=DONE,
+                                                        result=e["result"]))
+                self.staleness.on_enqueued()  # the capacity rule counts it as accepted again
                 self.staleness.on_submitted()
                 self.staleness.on_accepted()
-                heapq.heappush(self._done, (e["head"], tid, e["result"]))
-                self._done_by_head[e["head"]] += 1
         for e in (e for e in eps if e["state"] == "running"):
             self.submit(e["data"], wf, tag=e["tag"], journal=EpisodeJournal.restore(e["journal"]), head=e["head"])
         for e in (e for e in eps if e["state"] == "waiting"):
@@ -523,5 +481,5 @@ class WorkflowExecutor:
         """Staleness manager and verdict counters, generated tokens, and `consumed_staleness_<k>`: consumed
         groups by realized staleness (version at consumption minus head version)."""
         with self._cond:
-            return {**self.staleness.stats, **self._counts, "ready": len(self._done),
+            return {**self.staleness.stats, **self._counts, "ready": self._book.done,
                     **{f"consumed_staleness_{k}": n for k, n in sorted(self._consumed_staleness.items())}}
