@@ -13,7 +13,8 @@ from mega_async.rollout.workflow import RolloutWorkflow
 
 
 class EchoWorkflow(RolloutWorkflow):
-    """Returns the item; sleeps `delay` (item-specific) first; raises or rejects on request."""
+    """Returns the item; sleeps `delay` (item-specific) first; raises or rejects on request. An item's `started`
+    event is set when its episode starts, and its `gate` event holds the episode until the test sets it."""
 
     def __init__(self):
         self.started = 0
@@ -22,6 +23,10 @@ class EchoWorkflow(RolloutWorkflow):
     async def arun_episode(self, engine, data):
         with self.lock:
             self.started += 1
+        if "started" in data:
+            data["started"].set()
+        if "gate" in data:
+            assert await asyncio.get_running_loop().run_in_executor(None, data["gate"].wait, 10)
         await asyncio.sleep(data.get("delay", 0.0))
         if data.get("raise"):
             raise ValueError(f"boom {data['id']}")
@@ -90,25 +95,34 @@ def test_pending_cap_and_queue_full():
 def test_pause_stops_new_episodes_running_continue():
     wf = EchoWorkflow()
     with WorkflowExecutor(SimulatedEngine(), wf, consumer_batch_size=2, max_staleness=1) as ex:
-        ex.submit({"id": 0, "delay": 0.3})
-        time.sleep(0.1)
+        started, gate = threading.Event(), threading.Event()
+        ex.submit({"id": 0, "started": started, "gate": gate})
+        assert started.wait(5)  # running
         ex.pause()
         ex.submit({"id": 1})
-        time.sleep(0.4)
-        assert wf.started == 1  # the new one did not start
-        assert ex.stats["accepted"] == 1  # the running one finished while paused
+        gate.set()  # the running one finishes while paused ...
+        assert [r["id"] for r in ex.wait(1, timeout=5)] == [0]
+        with pytest.raises(RuntimeError, match="paused with 0 of 1 results ready and nothing running"):
+            ex.wait(1, timeout=5)  # ... and the new one did not start
+        assert wf.started == 1 and ex.stats["enqueued"] == 1
         ex.resume()
-        assert sorted(r["id"] for r in ex.wait(2, timeout=5)) == [0, 1]
+        assert [r["id"] for r in ex.wait(1, timeout=5)] == [1]
 
 
 def test_oldest_head_first_waits_for_running_older():
     with make(B=1, eta=2) as ex:
-        ex.submit({"id": "slow", "delay": 0.4})
-        time.sleep(0.05)
+        started, gate = threading.Event(), threading.Event()
+        ex.submit({"id": "slow", "started": started, "gate": gate})
+        assert started.wait(5)  # admitted at head version 0
         ex.set_version(1)
         ex.submit({"id": "fast"})
-        time.sleep(0.1)
-        assert ex.stats["ready"] == 1  # fast is done, but slow (older head) is still running
+        deadline = time.monotonic() + 5
+        while ex.stats["ready"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert ex.stats["ready"] == 1 and ex.stats["running"] == 1  # fast is done, slow (older head) runs
+        with pytest.raises(TimeoutError, match="1 results ready and 1 running"):
+            ex.wait(1, timeout=0.3)  # fast may not overtake it
+        gate.set()
         assert [r["id"] for r in ex.wait(1, timeout=5)] == ["slow"]
         assert [r["id"] for r in ex.wait(1, timeout=5)] == ["fast"]
 
@@ -176,11 +190,14 @@ def test_runner_pause_blocks_admission():
 
         r.pause()
         r.submit(0, task, lambda *a: None)
-        time.sleep(0.1)
+        for _ in range(3):  # the loop took the wake-up and turned: no admission happened
+            r.call(lambda: None, 5)
         assert started == [] and r.num_pending == 1
+        done = threading.Event()
         r.resume()
-        time.sleep(0.1)
-        assert started == [1] and r.num_pending == 0
+        r.submit(1, task, lambda *a: done.set())
+        assert done.wait(5)  # admitted in order once resumed
+        assert started == [1, 1] and r.num_pending == 0
     finally:
         r.stop()
 
