@@ -319,6 +319,12 @@ class AlgorithmConfig:
         _positive("algorithm.kl_coef", self.kl_coef, allow_zero=True)
 
 
+RECOMPUTE = ("none", "selective", "full")  # trainer.recompute
+# Megatron-Core 0.16's selective recompute modules (moe_act needs grouped GEMM, i.e. Transformer Engine; mla_up_proj
+# needs MLA: Megatron refuses either elsewhere in one line)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+
+
 @dataclass
 class TrainerConfig:
     total_steps: int = 10
@@ -330,6 +336,12 @@ class TrainerConfig:
     grad_clip: float = 1.0
     max_tokens_per_mb: int = 4096
     ppo_n_minibatches: int = 1
+    # activation recompute (Megatron-Core's): none (every activation kept for the backward) | selective (only the
+    # `recompute_modules` parts of each layer are run again in the backward) | full (each chunk of
+    # `recompute_num_layers` layers keeps only its input and runs its forward again in the backward)
+    recompute: str = "none"
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: Megatron's names
+    recompute_num_layers: int = 1  # full: layers per recomputed chunk
     save_interval: int = 0  # steps between checkpoints (<run_dir>/checkpoints/step_<N>); 0 = only at the end
     # also a checkpoint after the first step that ends this many minutes (wall clock, rank 0's) after the last one
     # or the start: a long run on a cluster loses at most about this much to a crash or a pre-emption whose
@@ -374,6 +386,32 @@ class TrainerConfig:
     mtp: str = "train"
     mtp_loss_scaling_factor: float = 0.1
 
+    def _check_recompute(self) -> None:
+        _choice("trainer.recompute", self.recompute, RECOMPUTE)
+        for m in self.recompute_modules:
+            _choice("trainer.recompute_modules", m, RECOMPUTE_MODULES)
+        _positive("trainer.recompute_num_layers", self.recompute_num_layers)
+        default = TrainerConfig()
+        if self.recompute != "selective" and self.recompute_modules != default.recompute_modules:
+            raise ConfigError(f"trainer.recompute_modules={self.recompute_modules} is read with "
+                              f"trainer.recompute=selective only (it is {self.recompute}): set both, or leave the "
+                              "modules out")
+        if self.recompute != "full" and self.recompute_num_layers != default.recompute_num_layers:
+            raise ConfigError(f"trainer.recompute_num_layers={self.recompute_num_layers} is read with "
+                              f"trainer.recompute=full only (it is {self.recompute}): set both, or leave it out")
+        if self.recompute == "selective" and not self.recompute_modules:
+            raise ConfigError("trainer.recompute=selective with no trainer.recompute_modules recomputes nothing: "
+                              "name modules (core_attn, layernorm, mlp, moe, shared_experts, ...) or use none")
+
+    def recompute_options(self) -> dict[str, Any]:
+        """Megatron-Core's TransformerConfig fields for trainer.recompute ({} for none)."""
+        if self.recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": "uniform",
+                    "recompute_num_layers": self.recompute_num_layers}
+        if self.recompute == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": list(self.recompute_modules)}
+        return {}
+
     def check_mtp(self, mtp_layers: int) -> None:
         """A model without MTP layers and an MTP setting changed from its default: refused in one line (a setting
         is never accepted and then ignored)."""
@@ -405,6 +443,7 @@ class TrainerConfig:
         _positive("trainer.grad_clip", self.grad_clip, allow_zero=True)
         _positive("trainer.max_tokens_per_mb", self.max_tokens_per_mb)
         _positive("trainer.ppo_n_minibatches", self.ppo_n_minibatches)
+        self._check_recompute()
         _positive("trainer.save_interval", self.save_interval, allow_zero=True)
         _positive("trainer.save_every_minutes", self.save_every_minutes, allow_zero=True)
         _positive("trainer.keep_checkpoints", self.keep_checkpoints)

@@ -111,7 +111,8 @@ class MegatronTrainEngine:
         self.cfg = cfg
         on_gpu = torch.cuda.is_available()
         dtype = dtype or (torch.bfloat16 if on_gpu else torch.float32)
-        self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True, mtp=cfg.trainer.mtp)
+        self.models = build_model(hf_dir, allocation, dtype=dtype, load_weights=True, mtp=cfg.trainer.mtp,
+                                  recompute=cfg.trainer.recompute_options())
         self.bridge = self.models[0]._mega_async_bridge
         self.mtp_trains = self._setup_mtp(strategy)  # multi-token-prediction layers (mega_async.trainer.mtp)
         # the reference policy for the KL penalty: a frozen copy of the initial weights, same layout

@@ -15,6 +15,12 @@ The gradient norm's duplicate filter (`param_is_not_tensor_parallel_duplicate`, 
 parameter not split over TP on TP rank 0 only. An expert parameter is replicated over the expert-TP group, not
 the TP group: one not marked tensor-parallel (Transformer Engine's grouped GEMM at ETP 1) was dropped on TP ranks
 > 0, whose experts are other experts when EP > 1. Expert parameters are filtered by their expert-TP rank here.
+
+Selective recompute without Transformer Engine. `tensor_parallel.CheckpointWithoutOutput(fp8=False)` sets
+`self.fp8 = fp8 is not None`, True for its own default, and its forward then calls Transformer Engine's
+`FP8GlobalStateManager`: with `trainer.recompute=selective` over layernorm, mlp or moe_act, every forward failed with
+NameError where TE is not installed (a CPU run; a GPU run on the local spec). Here `False` means what it says; the
+callers that pass `config.fp8` (None when off) are read as before.
 """
 from __future__ import annotations
 
@@ -70,4 +76,20 @@ def apply_mcore_fixes() -> None:
         m = importlib.import_module(mod)
         if hasattr(m, "param_is_not_tensor_parallel_duplicate"):
             m.param_is_not_tensor_parallel_duplicate = fixed
+    random = importlib.import_module("megatron.core.tensor_parallel.random")
+    cls = getattr(random, "CheckpointWithoutOutput", None)
+    if cls is not None:
+        cls.__init__ = _fp8_false_is_off(cls.__init__)
     _APPLIED = True
+
+
+def _fp8_false_is_off(init: Any) -> Any:
+    """CheckpointWithoutOutput(fp8=False) without FP8 (0.16.1 reads `fp8 is not None`)."""
+
+    @functools.wraps(init)
+    def fixed(self: Any, fp8: Any = False) -> None:
+        init(self, fp8)
+        if fp8 is False:
+            self.fp8 = False
+
+    return fixed

@@ -22,8 +22,9 @@ from mega_async.trainer.parallel import as_strategy, init_parallel_state, valida
 logger = logging.getLogger("mega_async.trainer")
 
 
-def _configure(bridge: Any) -> None:
-    """Run options on the bridge's TransformerConfig (CPU-safe fusions, per-token loss, p2p mode)."""
+def _configure(bridge: Any, recompute: Optional[dict] = None) -> None:
+    """Run options on the bridge's TransformerConfig (CPU-safe fusions, per-token loss, p2p mode, `recompute`:
+    trainer.recompute's Megatron fields)."""
     from megatron.core.distributed import finalize_model_grads
 
     from mega_async.trainer.cpu import patch_without_te
@@ -47,6 +48,7 @@ def _configure(bridge: Any) -> None:
         calculate_per_token_loss=True,
     )
     overrides.update(bridge.family.overrides(bridge.hf_config, bridge.use_te))  # e.g. DeepSeek's router groups
+    overrides.update(recompute or {})
     if mb.mpu.vpp_size is None or mb.mpu.pp_size == 1:
         overrides["overlap_p2p_comm"] = False
     mb.set_extra_args(**overrides)
@@ -146,7 +148,8 @@ def _mtp_layers(hf_config: Any, hf_dir: Any, mode: str) -> tuple[int, bool]:
 
 
 def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = torch.float32,
-                load_weights: bool = False, layer_spec: str = "auto", mtp: str = "train") -> list[torch.nn.Module]:
+                load_weights: bool = False, layer_spec: str = "auto", mtp: str = "train",
+                recompute: Optional[dict] = None) -> list[torch.nn.Module]:
     """One module per virtual pipeline chunk of this rank.
 
     `allocation` is a string ("megatron:d1t2e2"), a parsed Allocation or a ParallelStrategy. Under
@@ -156,6 +159,7 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     Megatron's local modules), local, or te. `mtp` (trainer.mtp) decides the multi-token-prediction layers built
     from a card that asks for them (`mega_async.bridge.mtp.plan`: off builds none, init fresh ones, train and freeze
     the checkpoint's, or none with a warning when the checkpoint carries none, as transformers saves a model).
+    `recompute`: Megatron's activation-recompute fields (`TrainerConfig.recompute_options()`).
     """
     from mega_async.bridge import HFBridge, _hf_config, load_hf_weights
     from mega_async.bridge.model_cards import check_fits_memory
@@ -174,7 +178,7 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     init_parallel_state(strategy)
     bridge = HFBridge(hf_config, dtype=dtype, layer_spec=layer_spec)
     bridge.fresh_mtp, bridge.mtp_asked = fresh, asked
-    _configure(bridge)
+    _configure(bridge, recompute)
     models = _build(bridge)
     apply_mcore_fixes()
     mark_expert_gradients(models)  # Megatron-LM#5916 on 0.16.1 (mega_async.trainer.mcore_fixes)

@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=0.05)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--unpatched", action="store_true", help="without mcore_fixes' expert marking (to show it matters)")
+    ap.add_argument("--recompute", default="none", help="trainer.recompute; selective recomputes --modules")
+    ap.add_argument("--modules", default="core_attn,layernorm,mlp", help="trainer.recompute_modules, comma-separated")
     args = ap.parse_args()
     if args.unpatched:
         import mega_async.trainer.model as model_module
@@ -95,8 +97,11 @@ def main() -> None:
 
     from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine
 
+    recompute = {"recompute": args.recompute}
+    if args.recompute == "selective":
+        recompute["recompute_modules"] = args.modules.split(",")
     eng = MegatronTrainEngine(args.model, args.layout, EngineConfig.of(lr=args.lr, prox_logp="behavior",
-                                                                      grad_clip=args.clip))
+                                                                      grad_clip=args.clip, **recompute))
     grads: dict[str, torch.Tensor] = {}
     step = eng.optimizer.step
 

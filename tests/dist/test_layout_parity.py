@@ -31,6 +31,12 @@ LAYOUTS = {(2, 1, 1, 1): ("megatron:(attn:t2|ffn:d2)", 2), (2, 2, 1, 1): ("megat
            (2, 2, 1, 2): ("megatron:p2t2e2", 4), (2, 1, 4, 1): ("megatron:(attn:d2t2|ffn:t4)", 4),
            (1, 2, 2, 1): ("megatron:(attn:d4|ffn:t2e2)", 4)}
 CASES = [(card, key) for card in CARDS for key in LAYOUTS if not (card == "qwen3-moe" and key[0] == 4)]
+# trainer.recompute: (mode, allocation, ranks, selective modules). Full recompute at one rank is bit-identical;
+# selective recompute of the layer norms and the MLP (Megatron's CheckpointWithoutOutput, mcore_fixes) within fp32's
+# last bits
+RECOMPUTE = {"full-1": ("full", REF, 1, ""), "selective-tp2ep2": ("selective", "megatron:t2e2", 2,
+                                                                  "core_attn,layernorm,mlp,moe,shared_experts"),
+             "full-pp2tp2ep2": ("full", "megatron:p2t2e2", 4, "")}
 # fp32 summation order (measured: norms <= 1.4e-6, gradients <= 2.6e-6, weights <= 7.5e-6 after three Adam steps
 # of lr 1e-3, where a near-zero gradient's update is sensitive to its last bits); a lost reduction is 7e-3 and 6e-3
 GRAD_TOL, WEIGHT_TOL, NORM_TOL = 1e-5, 5e-5, 5e-6
@@ -50,6 +56,11 @@ def runs(tmp_path_factory):
         alloc, n = LAYOUTS[key]
         cases[f"{c}|{_name(key)}"] = (n, ["layout_parity_worker.py", "--model", str(weights[c]), "--layout", alloc,
                                           "--out", str(root / c / _name(key))])
+    for c in CARDS:
+        for rid, (mode, alloc, n, modules) in RECOMPUTE.items():
+            cases[f"{c}|recompute-{rid}"] = (n, ["layout_parity_worker.py", "--model", str(weights[c]), "--layout",
+                                                 alloc, "--out", str(root / c / f"recompute-{rid}"), "--recompute",
+                                                 mode, *(["--modules", modules] if modules else [])])
     cases["qwen3-moe|unpatched"] = (2, ["layout_parity_worker.py", "--model", str(weights["qwen3-moe"]), "--layout",
                                         LAYOUTS[2, 1, 1, 1][0], "--out", str(root / "unpatched"), "--unpatched"])
     return root, run_grouped(cases, root / "launches")
@@ -84,6 +95,20 @@ def test_layout_trains_as_one_rank(runs, card, key):
           f"({d['worst']}), weights after 3 steps {d['weight']:.1e}")
     assert d["replicas"] == [], d["replicas"]
     assert d["norm"] < NORM_TOL and d["grad"] < GRAD_TOL and d["weight"] < WEIGHT_TOL, d
+
+
+@pytest.mark.parametrize("card, rid", [(c, r) for c in CARDS for r in RECOMPUTE])
+def test_activation_recompute_trains_as_without(runs, card, rid):
+    """trainer.recompute (full, selective) changes what the backward keeps, not what it computes."""
+    root, results = runs
+    for name in (f"{card}|ref", f"{card}|recompute-{rid}"):
+        assert results[name] is None, results[name]
+    d = differences(root / card / "ref", root / card / f"recompute-{rid}")
+    print(f"recompute {card} {rid}: grad norm rel {d['norm']:.1e}, grads rel {d['grad']:.1e}, weights {d['weight']:.1e}")
+    assert d["replicas"] == [], d["replicas"]
+    assert d["norm"] < NORM_TOL and d["grad"] < GRAD_TOL and d["weight"] < WEIGHT_TOL, d
+    if rid == "full-1":
+        assert d["grad"] == 0.0 and d["weight"] == 0.0, d
 
 
 def test_the_unpatched_layout_differs(runs):

@@ -203,3 +203,24 @@ def test_a_run_started_router_with_an_api_key_is_refused_before_any_server_start
     with pytest.raises(ConfigError, match=r"smg takes the servers' key only on its command line.*router_address"):
         InferenceService(cfg)
     assert not (cfg.run_dir / "server_logs").exists()  # nothing was launched
+
+
+def test_activation_recompute_settings():
+    from mega_async.api.config import TrainerConfig
+
+    assert TrainerConfig().recompute_options() == {}
+    full = TrainerConfig(recompute="full", recompute_num_layers=2)
+    full.validate()
+    assert full.recompute_options() == {"recompute_granularity": "full", "recompute_method": "uniform",
+                                        "recompute_num_layers": 2}
+    sel = TrainerConfig(recompute="selective", recompute_modules=["core_attn", "layernorm"])
+    sel.validate()
+    assert sel.recompute_options() == {"recompute_granularity": "selective",
+                                       "recompute_modules": ["core_attn", "layernorm"]}
+    for bad, match in ((dict(recompute="some"), "trainer.recompute"),
+                       (dict(recompute="selective", recompute_modules=["attention"]), "recompute_modules"),
+                       (dict(recompute="full", recompute_modules=["mlp"]), "read with trainer.recompute=selective"),
+                       (dict(recompute_num_layers=4), "read with trainer.recompute=full only"),
+                       (dict(recompute="selective", recompute_modules=[]), "recomputes nothing")):
+        with pytest.raises(ConfigError, match=match):
+            TrainerConfig(**bad).validate()
