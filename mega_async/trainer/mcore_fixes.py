@@ -21,6 +21,11 @@ Selective recompute without Transformer Engine. `tensor_parallel.CheckpointWitho
 `FP8GlobalStateManager`: with `trainer.recompute=selective` over layernorm, mlp or moe_act, every forward failed with
 NameError where TE is not installed (a CPU run; a GPU run on the local spec). Here `False` means what it says; the
 callers that pass `config.fp8` (None when off) are read as before.
+
+Full recompute of an MTP layer on packed sequences (ours; no upstream change known to us).
+`MultiTokenPredictionLayer._checkpointed_forward` hands every keyword argument to `tensor_parallel.checkpoint`, whose
+`save_for_backward` refuses `packed_seq_params` (not a tensor): `trainer.recompute=full` with an MTP layer failed at
+the first step. The non-tensor arguments are bound to the layer's function here and only tensors go through.
 """
 from __future__ import annotations
 
@@ -76,11 +81,33 @@ def apply_mcore_fixes() -> None:
         m = importlib.import_module(mod)
         if hasattr(m, "param_is_not_tensor_parallel_duplicate"):
             m.param_is_not_tensor_parallel_duplicate = fixed
+    mtp = importlib.import_module("megatron.core.transformer.multi_token_prediction")
+    layer = getattr(mtp, "MultiTokenPredictionLayer", None)
+    if layer is not None and hasattr(layer, "_checkpointed_forward"):
+        layer._checkpointed_forward = _tensors_through_checkpoint(layer._checkpointed_forward)
     random = importlib.import_module("megatron.core.tensor_parallel.random")
     cls = getattr(random, "CheckpointWithoutOutput", None)
     if cls is not None:
         cls.__init__ = _fp8_false_is_off(cls.__init__)
     _APPLIED = True
+
+
+def _tensors_through_checkpoint(checkpointed: Any) -> Any:
+    """An MTP layer's full recompute with only tensors (and None) as the checkpoint's arguments."""
+
+    @functools.wraps(checkpointed)
+    def fixed(self: Any, forward_func: Any, *args: Any, **kwargs: Any) -> Any:
+        names = [k for k, v in kwargs.items() if v is None or isinstance(v, torch.Tensor)]
+        if self.config.fp8 or len(names) == len(kwargs):
+            return checkpointed(self, forward_func, *args, **kwargs)
+        bound = {k: v for k, v in kwargs.items() if k not in names}
+
+        def call(*a: Any) -> Any:  # the checkpoint passes the tensors positionally: back to their names
+            return forward_func(*a[:len(args)], **dict(zip(names, a[len(args):])), **bound)
+
+        return checkpointed(self, call, *args, **{k: kwargs[k] for k in names})
+
+    return fixed
 
 
 def _fp8_false_is_off(init: Any) -> Any:

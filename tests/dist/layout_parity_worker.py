@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -47,6 +48,40 @@ def hf_grads(eng) -> dict[str, torch.Tensor]:
     finally:
         for p, data in saved:
             p.data = data
+
+
+def _in_core_attention() -> bool:
+    return any(f.filename.endswith("mega_async/trainer/attention.py") for f in traceback.extract_stack(limit=12))
+
+
+class SavedForBackward:
+    """Bytes of the tensors autograd keeps for the backward, saved during the first micro-batch's forward (until
+    the first backward unpacks one): each storage once, the parameters and their gradient buffers left out. What
+    `launch/slurm/fit.py`'s activation estimate counts."""
+
+    def __init__(self, models) -> None:
+        self.params = {t.untyped_storage().data_ptr() for m in models for p in m.parameters()
+                       for t in (p, getattr(p, "main_grad", None)) if t is not None}
+        self.seen: dict[int, int] = {}
+        self.core_attention = 0  # of which saved inside the core attention (on a CPU: mega_async's eager kernel)
+        self.forward = True
+
+    def pack(self, t):
+        if self.forward and isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.data_ptr() not in self.params and st.data_ptr() not in self.seen:
+                self.seen[st.data_ptr()] = st.nbytes()
+                if _in_core_attention():
+                    self.core_attention += st.nbytes()
+        return t
+
+    def unpack(self, t):
+        self.forward = False
+        return t
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.seen.values())
 
 
 def replica_differences(eng) -> list[str]:
@@ -87,6 +122,8 @@ def main() -> None:
     ap.add_argument("--unpatched", action="store_true", help="without mcore_fixes' expert marking (to show it matters)")
     ap.add_argument("--recompute", default="none", help="trainer.recompute; selective recomputes --modules")
     ap.add_argument("--modules", default="core_attn,layernorm,mlp", help="trainer.recompute_modules, comma-separated")
+    ap.add_argument("--measure", action="store_true", help="activations.json: what the first micro-batch's forward "
+                                                           "left for the backward")
     args = ap.parse_args()
     if args.unpatched:
         import mega_async.trainer.model as model_module
@@ -113,7 +150,12 @@ def main() -> None:
 
     eng.optimizer.step = capture_then_step
     b = synthetic_batch()
-    stats = [eng.train_batch(b) for _ in range(args.steps)]
+    kept = None
+    if args.measure:
+        kept = SavedForBackward(eng.models)
+        with torch.autograd.graph.saved_tensors_hooks(kept.pack, kept.unpack):
+            stats = [eng.train_batch(b)]
+    stats = ([] if kept is None else stats) + [eng.train_batch(b) for _ in range(args.steps - (kept is not None))]
     weights = {k: v.contiguous() for k, v in eng.export_hf_weights()}
     replicas = replica_differences(eng)
     if dist.get_rank() == 0:
@@ -124,6 +166,10 @@ def main() -> None:
         with open(f"{args.out}/stats.json", "w") as f:
             json.dump({"stats": stats, "layout": layout, "replicas": replicas}, f)
         save_file(grads, f"{args.out}/grads.safetensors")
+        if kept is not None:
+            with open(f"{args.out}/activations.json", "w") as f:
+                json.dump({"bytes": kept.bytes, "core_attention": kept.core_attention,
+                           "tokens": int(b["attention_mask"].sum())}, f)
         save_file(weights, f"{args.out}/weights.safetensors")
     destroy_parallel_state()
 

@@ -42,7 +42,9 @@ def test_servers_on_their_own_nodes_then_the_trainer():
     assert p.trainer_nodes == (2,) and p.trainer_tasks_per_node == 8
     assert not p.router  # a router only when asked for (inference.router=smg)
     assert p.servers[0].dp_attention == 1  # tp 4 = KV heads 4: plain TP attention
-    assert "driver = rank 0 on node 2" in p.describe()[-1]
+    lines = p.describe()
+    assert any("driver = rank 0 on node 2" in line for line in lines)
+    assert [line.split(" (")[0] for line in lines if line.startswith("fit: stage")] == ["fit: stage 0"]  # PP 1
 
 
 def test_a_server_spanning_nodes_and_dp_attention():
@@ -71,7 +73,7 @@ def test_one_node_puts_servers_after_the_trainer_gpus():
     ("sglang:d1t8e3+megatron:d8", 2, 8, "sglang", None, 141, "--ep-size (3) to divide --tp-size (8)"),
     ("sglang:d1t8e8+megatron:d8t3", 2, 8, "sglang", Q30, 141, "tp=3 does not divide num_attention_heads=32"),
     ("sglang:d1t8e8+megatron:d8p5", 2, 8, "sglang", Q30, 141, "does not divide num_hidden_layers=48"),
-    ("sglang:d1t8e8+megatron:d8e8", 2, 8, "sglang", Q30, 80, "holds 71.5 GiB of weights, grads and Adam state per GPU"),
+    ("sglang:d1t8e8+megatron:d8e8", 2, 8, "sglang", Q30, 80, "stage 0 needs 100.2 GiB a GPU (state 71.5, activations 28.6)"),
     ("sglang:d1t4e4+megatron:d16p2t4e16", 5, 8, "sglang", Q235, 141, "a server of 4 GPUs holds 109.5 GiB of weights"),
 ])
 def test_what_does_not_fit_is_one_line(alloc, nodes, gpus, backend, cfg, mem, message):

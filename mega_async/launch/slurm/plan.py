@@ -69,9 +69,10 @@ class JobPlan:
 
 def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str, hf_config: Any = None,
              dtype: str = "bfloat16", gpu_memory_gib: float = 80.0, router: bool = False,
-             device: str = "gpu") -> JobPlan:
+             device: str = "gpu", trainer: Any = None) -> JobPlan:
     """Place the allocation on `nodes` x `gpus_per_node`; raises LaunchError naming what does not fit. `router`:
-    the job starts smg in front of the servers (inference.router=smg)."""
+    the job starts smg in front of the servers (inference.router=smg). `trainer`: the run's trainer section (micro-batch
+    tokens, activation recompute, MTP), for the per-stage fit (its lines go into the plan's notes)."""
     if nodes < 1 or gpus_per_node < 1:
         raise LaunchError(f"--nodes={nodes} and --gpus-per-node={gpus_per_node} must both be >= 1")
     if alloc.inference is None or alloc.trainer is None:
@@ -89,9 +90,10 @@ def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str,
         raise LaunchError(f"inference part: SGLang needs --ep-size ({inf.ep}) to divide --tp-size ({tp})")
     world = alloc.train.world_size
     unit = "GPUs" if gpu else "slots"
-    if hf_config is not None:
-        _check_model(alloc, hf_config, dtype, gpu_memory_gib if gpu else None)
     dp_attn = _dp_attention(tp, inf.ep, hf_config)
+    fits: list[str] = []
+    if hf_config is not None:
+        fits = _check_model(alloc, hf_config, dtype, gpu_memory_gib if gpu else None, trainer, dp_attn)
     total = nodes * gpus_per_node
     need = n_srv * tp + world
     if nodes == 1:
@@ -99,7 +101,7 @@ def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str,
             raise LaunchError(f"{alloc.source} needs {need} {unit} ({n_srv} x {tp} for the servers + {world} for the "
                               f"trainer) but 1 node x {gpus_per_node} has {total}: set --gpus-per-node {need}")
         servers = [ServerPlacement(i, (0,), tp, world + i * tp, inf.ep, dp_attn) for i in range(n_srv)]
-        return JobPlan(1, gpus_per_node, gpu, backend, servers, (0,), world, router)
+        return JobPlan(1, gpus_per_node, gpu, backend, servers, (0,), world, router, fits)
     servers, server_nodes = _place_servers(n_srv, tp, inf.ep, dp_attn, gpus_per_node, unit)
     if world % gpus_per_node:
         raise LaunchError(f"trainer part megatron:{alloc.train} has {world} ranks, not whole nodes of {gpus_per_node} "
@@ -109,7 +111,8 @@ def plan_job(alloc: Allocation, nodes: int, gpus_per_node: int, *, backend: str,
         raise LaunchError(f"{alloc.source} takes {server_nodes + t_nodes} nodes of {gpus_per_node} {unit} "
                           f"({server_nodes} for {n_srv} server(s), {t_nodes} for the trainer) but --nodes={nodes}: "
                           f"pass --nodes {server_nodes + t_nodes} or change parallel.allocation")
-    return JobPlan(nodes, gpus_per_node, gpu, backend, servers, tuple(range(server_nodes, nodes)), world, router)
+    return JobPlan(nodes, gpus_per_node, gpu, backend, servers, tuple(range(server_nodes, nodes)), world, router,
+                   fits)
 
 
 def _place_servers(n: int, tp: int, ep: int, dp_attn: int, g: int, unit: str) -> tuple[list[ServerPlacement], int]:
@@ -137,7 +140,10 @@ def _dp_attention(tp: int, ep: int, c: Any) -> int:
     return tp // kv if tp > kv and tp % kv == 0 else 1
 
 
-def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float]) -> None:
+def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float], trainer: Any = None,
+                 dp_attn: int = 1) -> list[str]:
+    """The layout against the model, then (GPU jobs) memory: a server's weights per GPU, and every pipeline stage's
+    peak on the trainer (state and activations, `fit.trainer_stage_fits`). Returns the fit's lines for the plan."""
     try:
         validate_for_model(alloc.train, c)
     except AllocationError as e:
@@ -149,16 +155,43 @@ def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float]
     if inf.ep > 1 and (not experts or experts % inf.ep):
         raise LaunchError(f"inference part: ep={inf.ep} does not divide the model's num_experts={experts or 0}")
     if gpu_gib is None:
-        return
+        return []
     p = fit.count_params(c)
     fp8 = fit.fp8_block_size(c) is not None
-    srv = fit.server_gib_per_gpu(p, inf.tp, dtype, fp8=fp8)
+    srv = fit.server_gib_per_gpu(p, inf.tp, dtype, fp8=fp8, attention=fit.attention_params(c), dp_attention=dp_attn)
     if srv > fit.SERVER_WEIGHT_FRACTION * gpu_gib:
         kind = "FP8 " if fp8 else ""
         raise LaunchError(f"a server of {inf.tp} GPUs holds {srv:.1f} GiB of {kind}weights per GPU, over "
                           f"{fit.SERVER_WEIGHT_FRACTION:.0%} of a {gpu_gib:g} GiB GPU: raise the inference part's t")
-    tr = fit.trainer_gib_per_gpu(p, alloc.train, dtype)
-    if tr > fit.TRAINER_STATE_FRACTION * gpu_gib:
-        raise LaunchError(f"trainer megatron:{alloc.train} holds {tr:.1f} GiB of weights, grads and Adam state per GPU, "
-                          f"over {fit.TRAINER_STATE_FRACTION:.0%} of a {gpu_gib:g} GiB GPU: add pipeline/expert "
-                          "parallelism or trainer nodes")
+    t = trainer if trainer is not None else _DefaultTrainer()
+    mtp = 0 if t.mtp == "off" else None
+    stages = fit.trainer_stage_fits(c, alloc.train, dtype, t.max_tokens_per_mb, t.recompute, t.recompute_modules,
+                                    t.recompute_num_layers, mtp_layers=mtp)
+    lines = [f"fit: a server GPU holds {srv:.1f} GiB of {'FP8 ' if fp8 else ''}weights "
+             f"(<= {fit.SERVER_WEIGHT_FRACTION:.0%} of {gpu_gib:g} GiB); trainer per stage at "
+             f"trainer.max_tokens_per_mb={t.max_tokens_per_mb}, trainer.recompute={t.recompute} "
+             f"(<= {fit.TRAINER_FIT_FRACTION:.0%} of {gpu_gib:g} GiB = {fit.TRAINER_FIT_FRACTION * gpu_gib:.1f}):"]
+    for st in stages:
+        lines.append(f"fit: stage {st.stage} ({st.layers} layers, {st.in_flight} micro-batch(es) in flight): state "
+                     f"{st.state_gib:.1f} + activations {st.activation_gib:.1f}"
+                     + (f" + recomputed chunk {st.recompute_gib:.1f}" if st.recompute_gib else "")
+                     + f" = {st.total_gib:.1f} GiB")
+    worst = max(stages, key=lambda st: st.total_gib)
+    if worst.total_gib > fit.TRAINER_FIT_FRACTION * gpu_gib:
+        hint = ("trainer.recompute=selective or full, a smaller trainer.max_tokens_per_mb" if t.recompute == "none"
+                else "trainer.recompute=full, a smaller trainer.max_tokens_per_mb" if t.recompute == "selective"
+                else "a smaller trainer.max_tokens_per_mb")
+        raise LaunchError(f"trainer megatron:{alloc.train}: pipeline stage {worst.stage} needs {worst.total_gib:.1f} GiB "
+                          f"a GPU (state {worst.state_gib:.1f}, activations "
+                          f"{worst.activation_gib + worst.recompute_gib:.1f}), over {fit.TRAINER_FIT_FRACTION:.0%} of "
+                          f"a {gpu_gib:g} GiB GPU: {hint}, or more pipeline/expert parallelism or trainer nodes")
+    return lines
+
+
+class _DefaultTrainer:
+    """The trainer section's defaults, where no run config is given (a plan made from an allocation alone)."""
+
+    def __init__(self) -> None:
+        from mega_async.api.config import TrainerConfig
+
+        self.__dict__.update(vars(TrainerConfig()))

@@ -78,7 +78,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[RunConfig, JobPlan
     _check_weight_format(cfg, hf)
     plan = plan_job(alloc, launch.nodes, launch.gpus_per_node, backend=cfg.inference.backend, hf_config=hf,
                     dtype=cfg.model.dtype, gpu_memory_gib=launch.gpu_memory_gib,  # servers and trainer: model.dtype
-                    router=cfg.inference.router == "smg", device=launch.device)
+                    router=cfg.inference.router == "smg", device=launch.device, trainer=cfg.trainer)
     train_args = ["-c", str(Path(args.config).resolve()), *args.overrides]
     script = render_job(plan, cfg, train_args, workdir=workdir, partition=launch.partition, time=launch.time,
                         requeue=args.requeue)
