@@ -174,6 +174,10 @@ def build_model(hf_dir_or_config: Any, allocation: Any, dtype: torch.dtype = tor
     layers, fresh = _mtp_layers(hf_config, hf_dir_or_config, mtp)
     if asked:
         hf_config.num_nextn_predict_layers = layers
+    if layers and (recompute or {}).get("recompute_num_layers", 1) != 1:
+        raise ValueError(f"trainer.recompute_num_layers={recompute['recompute_num_layers']}: Megatron-Core recomputes a "
+                         f"multi-token-prediction layer alone, and this model trains {layers}; use 1, or "
+                         "trainer.mtp=off")
     validate_for_model(strategy, hf_config)
     init_parallel_state(strategy)
     bridge = HFBridge(hf_config, dtype=dtype, layer_spec=layer_spec)
