@@ -33,6 +33,7 @@ class WeightGroup:
         self.backend, self.rank, self.world_size, self.group_name = backend, rank, world_size, group_name
         self.timeout_s = float(timeout_s)
         self.broken: Optional[str] = None
+        self.received = 0  # broadcasts completed on this group (/server_info: what a trainer can attribute by)
         self._pg: Any = init_custom_process_group(backend, tcp_init_method(master_address, master_port), world_size,
                                                   rank, group_name, datetime.timedelta(seconds=self.timeout_s))
 
@@ -43,6 +44,7 @@ class WeightGroup:
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
             raise
+        self.received += 1
 
     def destroy(self) -> None:
         pg, self._pg = self._pg, None

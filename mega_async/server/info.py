@@ -72,6 +72,10 @@ class InfoEndpoints:
             **self.server_args(), "version": self.s.release.version,
             "embedded_server": "mega_async", "weight_version": eng.weight_version,
             "mtp_layers_kept": mtp_layers_held(eng.model),
+            # each joined weight-update group: how many broadcasts it completed (mega_async's: a trainer names a
+            # member that acknowledged a bucket without receiving it, whatever the weights; SGLang has no such field)
+            "weight_update_groups": {name: {"broadcasts_received": g.received}
+                                     for name, g in list(self.s.updates.groups.items())},
             "num_running_reqs": eng.num_running, "num_waiting_reqs": eng.num_waiting, "paused": eng.paused,
             "memory_released": sorted(eng.released), "resident_weight_bytes": resident_weight_bytes(eng.model),
             "prefix_cache": {"entries": len(eng.prefix_cache), "tokens": eng.prefix_cache.num_tokens,

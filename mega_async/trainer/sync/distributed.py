@@ -107,6 +107,7 @@ class DistributedWeightSync(WeightSync):
         self._moved: dict[str, str] = {}  # rank 0's client's moved servers, as rank 0 last sent them
         self._group_on_servers = False  # the servers were told of a group this side has left
         self._slowest_bucket: Optional[float] = None  # the longest a bucket took so far (broadcast and replies)
+        self._broadcasts = 0  # broadcasts started on the current group (a receiver reports how many it completed)
         # rank 0: servers that came back behind, each with the future its recovery waits on (catch_up sets it)
         self._due: dict[str, concurrent.futures.Future] = {}
         self._due_lock = threading.Lock()
@@ -291,6 +292,7 @@ class DistributedWeightSync(WeightSync):
 
         port = free_port()
         self.group_name = f"mega_async_pp{self.resharder.pp_rank}_{port}"  # unique per run and stage
+        self._broadcasts = 0
         if addresses is None:
             addresses = [s.address for s in self.client.sync_targets()]
         elif self.rollout is None:  # a later stage's head: rank 0 names the members, one may have moved meanwhile
@@ -462,6 +464,7 @@ class DistributedWeightSync(WeightSync):
             [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order], [bucket.shapes[i] for i in order],
             self.group_name, load_format=fmt, timeout=self.timeout, flush_cache=False))  # the commit flushes once
         works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
+        self._broadcasts += len(payload)
         stats["bucket_s"] += time.perf_counter() - t0
         stats["bytes"] += bucket.nbytes
         stats["buckets"] += 1
@@ -558,12 +561,30 @@ class DistributedWeightSync(WeightSync):
             except Exception as e:  # noqa: BLE001 - then every member is a suspect
                 logger.warning("asking the servers which of them received the bucket failed: %s: %s",
                                type(e).__name__, e)
+        if len(members) > 1 and not missed:  # the weights did not change (or every member looks alike): a server
+            missed = self._behind_on_broadcasts(members)  # that counts its receives says whether it had this one
         for address in missed:
             self.client.mark_silent(address, "/update_weights_from_distributed: acknowledged a bucket without "
                                              "receiving its broadcast")
         who = ", ".join(missed) if missed else f"one of {', '.join(members)} (could not tell which)"
         return (f"{who} answered 200 to /update_weights_from_distributed but did not receive the bucket's broadcast "
                 f"({waited:.1f}s after every server answered it was still not complete; the broadcast was abandoned)")
+
+    def _behind_on_broadcasts(self, members: list[str]) -> list[str]:
+        """The members that report fewer completed broadcasts on this group than the trainer started (the embedded
+        server counts them in /server_info; a server that reports no count, as SGLang, is not named by this)."""
+        try:
+            infos = self.servers.server_info(members) if self.servers is not None else self._loop.run(
+                self.client.server_info(self.timeout, members), self.timeout + SLACK_S, "/server_info")
+        except Exception as e:  # noqa: BLE001
+            logger.warning("asking the servers how many broadcasts they received failed: %s: %s", type(e).__name__, e)
+            return []
+        behind = []
+        for address, info in zip(members, infos):
+            got = ((info or {}).get("weight_update_groups") or {}).get(self.group_name, {}).get("broadcasts_received")
+            if isinstance(got, int) and not isinstance(got, bool) and got < self._broadcasts:
+                behind.append(address)
+        return behind
 
     def _abort(self) -> None:
         if self.pg is not None:  # closing our end makes the servers' pending receives fail at once
