@@ -9,6 +9,7 @@ more for the kill test, which the run launches itself (only a server the run lau
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -126,6 +127,42 @@ def test_checksum_verification_against_the_trainers_digest(real_server, tmp_path
     assert "not compared with the trainer's digest" not in log, log[-3000:]
     assert len([m for m in metrics(run) if "step" in m]) == steps
     assert_serves(real_server, run, steps)
+
+
+def test_a_stale_expert_on_the_real_engine_is_caught_at_the_default_learning_rate(real_server, tmp_path):
+    """Issue 50's stale tensor on the real engine: a proxy in front of the server renames one tensor of the first
+    sync's bucket to a later one of the same shape (the server receives every byte, loads the later tensor twice and
+    keeps the first one's old weights) and answers 200. At the default learning rate (1e-5, where the logprob probe
+    is blind), `trainer.verify_sync_method=auto` picks the exact digest on SGLang 0.5.23 and the run fails at that
+    sync naming the server and the tensor in SGLang's own names. (A routed expert no token reached in the first step
+    has not moved under Adam: its stale copy is the trainer's weight, rightly passed.)"""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tamper_proxy import TamperProxy
+
+    at_card_weights(real_server)
+    proxy = TamperProxy(real_server, 0).start()
+    run, p = tmp_path / "tiny_cpu_sglang" / "run0", None
+    try:  # armed after step 1 (the config warms the learning rate up from 0: the first sync changes no weight)
+        p = subprocess.Popen(train_command(CONFIG, tmp_path, "trainer.total_steps=5", "trainer.verify_sync=true",
+                                           f"inference.addresses=[{proxy.address.split('://')[-1]}]"),
+                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()[1][-3000:]
+            time.sleep(0.2)
+        proxy.set("drop_tensor", bucket=0)
+        _, err = p.communicate(timeout=900)
+    finally:
+        if p is not None and p.poll() is None:
+            p.kill()
+        proxy.stop()
+        at_card_weights(real_server)
+    print(last := err.strip().splitlines()[-1])
+    last = err.strip().splitlines()[-1]
+    assert p.returncode != 0 and proxy.log, (proxy.log, err[-3000:])
+    assert proxy.address in last and "does not serve the trainer's weights" in last and " differ: " in last, last
+    dropped = proxy.log[0].split(": ")[1].split(" ")[0]  # e.g. model.embed_tokens.weight
+    assert dropped in last.split(" differ: ")[1], (dropped, last)
 
 
 def test_disk_sync_ep2_in_place(real_server, tmp_path):
