@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,6 +19,7 @@ WORKER = Path(__file__).with_name("catch_up_worker.py")
 CARD = ROOT / "models" / "tiny-qwen3-moe"
 
 
+@pytest.mark.slow  # CI's second step: the default suite's budget
 def test_a_restarted_only_server_is_caught_up_by_the_trainer(tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, str(WORKER), "--model", str(CARD), "--engine", "embedded", "--out", str(out),

@@ -8,6 +8,7 @@ the fix, never a KeyError. The trainer runs of such models are tests/integration
 import json
 import subprocess
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -37,6 +38,7 @@ def test_a_transformers_saved_deepseek_v3_converts_without_its_mtp_layers(tmp_pa
     assert got.keys() == src.keys() and all(torch.equal(got[k], src[k]) for k in src)
 
 
+@pytest.mark.slow  # CI's second step: the default suite's budget (four refusals, each building a model)
 def test_a_checkpoint_lacking_a_group_its_config_asks_for_is_refused_in_one_line(tmp_path):
     cases = {  # what is left out -> what the one line must say
         (TINY_DEEPSEEK, "lm_head.weight"): "'lm_head.weight', the output head: config.json says tie_word_embeddings: "

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -16,6 +18,7 @@ WORKER = Path(__file__).with_name("sync_hang_worker.py")
 TIMEOUT = 3.0
 
 
+@pytest.mark.slow  # CI's second step: the default suite's budget
 def test_a_stopped_server_is_taken_out_within_the_timeout_and_comes_back(tmp_path):
     model = init_random_weights(TINY_MOE, tmp_path / "moe", seed=5)
     out = tmp_path / "result.json"

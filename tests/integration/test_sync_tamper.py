@@ -40,8 +40,8 @@ DISTRIBUTED = ("ack", "ack_unchanged", "hold", "drop_tensor", "drop_expert", "ro
 DISK = ("drop_tensor", "drop_expert", "drop_bucket", "rollback", "rollback_keep")
 FP8 = ("drop_expert", "rollback")  # an FP8 sync's experts swapped (weights and scales), and a rollback
 slow = pytest.mark.slow
-LAYOUTS = [pytest.param(2, "distributed", "checksum", False, id="2-distributed-checksum"),
-           pytest.param(1, "disk", "probe", False, id="1-disk-probe"),
+LAYOUTS = [pytest.param(2, "distributed", "checksum", False, id="2-distributed-checksum", marks=slow),
+           pytest.param(1, "disk", "probe", False, id="1-disk-probe", marks=slow),
            pytest.param(1, "distributed", "checksum", False, id="1-distributed-checksum", marks=slow),
            pytest.param(1, "distributed", "probe", False, id="1-distributed-probe", marks=slow),
            pytest.param(2, "distributed", "probe", False, id="2-distributed-probe", marks=slow),

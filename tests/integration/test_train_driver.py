@@ -45,7 +45,7 @@ def leftovers(tmp: Path) -> list[str]:
 
 
 LAYOUTS = [
-    pytest.param("sglang:d2+megatron:d1t2", id="tp2-2servers"),
+    pytest.param("sglang:d2+megatron:d1t2", id="tp2-2servers", marks=pytest.mark.slow),  # the default suite's budget
     pytest.param("sglang:d1+megatron:d2e2", id="ep2dp2-1server", marks=pytest.mark.slow),  # suite budget
     pytest.param("sglang:d2+megatron:p2", id="pp2-2servers", marks=pytest.mark.slow),
     pytest.param("sglang:d1+megatron:d1t2e2", id="tp2ep2-1server", marks=pytest.mark.slow),  # 4 ranks
@@ -99,6 +99,7 @@ def short_server(tmp_path):
         yield launcher
 
 
+@pytest.mark.slow  # CI's second step: the default suite's budget (a two-rank run and a server of its own)
 def test_failed_sync_stops_every_rank_with_one_line(model, tmp_path, short_server):
     addr = short_server.addresses[0]
     r = subprocess.run(train_cmd(model, tmp_path, "sglang:d1+megatron:d1t2", f"inference.addresses=['{addr}']"),
