@@ -64,8 +64,12 @@ class Verifier:
         if method == "auto":
             method = self._from_rank0(self._auto_method)
         if method == "checksum":
-            addresses = self.servers.still_up(pushed) if self.servers is not None else None
-            replies, unchanged, verdict = self._from_rank0(self._verify_checksums, version, addresses)
+            replies: list = []  # rank 0's: the servers' per-tensor checksums stay there (only verdicts travel)
+            unchanged: list = []
+            verdict = None
+            if self.servers is not None:
+                replies, unchanged, verdict = self._verify_checksums(version, self.servers.still_up(pushed))
+            verdict = from_rank0(verdict, self.group)
             # the trainer's digest first: it names the server and the tensors, where "unchanged" or "servers
             # disagree" does not say which tensors (or, between two servers, which of them is wrong)
             digested: set[str] = set()
