@@ -48,8 +48,11 @@ def test_recipes_validate_and_render(capsys, tmp_path, recipe):
     bash_ok(script, tmp_path)
     # smg, its port picked on its node by server.sh, waited for like a server's, its address handed to the trainer
     assert re.search(r'env MA_NAME=router bash "\$LAUNCH_DIR/server.sh" smg launch --host __HOST__ --port __PORT__ '
-                     r'--worker-urls "\$\{WORKER_URLS\[@\]\}" --log-level warn --policy round_robin', script)
+                     r'--worker-urls "\$\{WORKER_URLS\[@\]\}" --log-level warn --prometheus-port __METRICS_PORT__ '
+                     r'--prometheus-host __HOST__ --policy round_robin', script)  # its metrics on a port of its own
     assert 'ma_wait_healthy router "$STARTUP_TIMEOUT"' in script
+    rc, own, err = dry_run(capsys, recipe, "inference.router=smg", "inference.router_args=[--prometheus-port=9100]")
+    assert rc == 0 and "--prometheus-port=9100" in own and "__METRICS_PORT__" not in own, err  # the user's port kept
     assert 'ROUTER_ARGS=(inference.router=none "inference.router_address=$ADDR"' in script
     assert '"${ROUTER_ARGS[@]}"' in script and "sglang_router" not in script
     assert "unset MASTER_PORT" in script and "MEGA_ASYNC_MASTER_PORT_FILE=" in script
@@ -91,7 +94,7 @@ def test_the_radix_cache_setting_reaches_slurm_servers(capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["--nodes", "3"], "takes 2 nodes of 8 GPUs (1 for 1 server(s), 1 for the trainer) but --nodes=3"),
-    (["launch.gpu_memory_gib=80"], "holds 71.5 GiB of weights, grads and Adam state per GPU, over 75% of a 80 GiB"),
+    (["launch.gpu_memory_gib=80"], "pipeline stage 0 needs 90.5 GiB a GPU (state 71.5, activations 19.0), over 90% of a 80 GiB"),
     (["parallel.allocation=sglang:d1t8e8+megatron:d8e8t3"], "tp=3 does not divide num_attention_heads=32"),
     (["inference.addresses=[h:1]"], "inference.addresses is set: the job starts its own servers"),
     (["launch.time=soon"], "launch.time='soon' is not a Slurm time limit"),

@@ -109,12 +109,16 @@ def _router_lines(plan: JobPlan, cfg: RunConfig) -> list[str]:
     first = plan.servers[0].nodes[0]
     smg = _q(cfg.inference.router_bin or "smg")
     extra = " ".join(_q(a) for a in cfg.inference.router_args)
+    given = {a.split("=")[0] for a in cfg.inference.router_args}
+    # smg's Prometheus metrics on a free port of its node (its default 29000 would collide with a second smg there)
+    metrics = "" if "--prometheus-port" in given else " --prometheus-port __METRICS_PORT__"
+    metrics += "" if "--prometheus-host" in given else " --prometheus-host __HOST__"
     return [  # through server.sh: its port picked on its node, started again if that port is taken first
         f'ROUTER_NODE=${{NODES[{first}]}}',
         'WORKER_URLS=(); for a in "${ADDRESSES[@]}"; do WORKER_URLS+=("http://$a"); done',
         'ma_start router "$RUN_DIR/logs/router.log" "$ROUTER_NODE" --nodes=1 --ntasks=1 --nodelist="$ROUTER_NODE" -- \\',
         f'  env MA_NAME=router bash "$LAUNCH_DIR/server.sh" {smg} launch --host __HOST__ --port __PORT__ '
-        f'--worker-urls "${{WORKER_URLS[@]}}" --log-level warn{" " + extra if extra else ""}',
+        f'--worker-urls "${{WORKER_URLS[@]}}" --log-level warn{metrics}{" " + extra if extra else ""}',
         'ma_wait_healthy router "$STARTUP_TIMEOUT" "$SECONDS"',
         'ma_log "smg at $ADDR in front of ${#ADDRESSES[@]} servers"',
         'ROUTER_ARGS=(inference.router=none "inference.router_address=$ADDR" "inference.router_args=[]" '

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node of inference server $MA_INDEX, or the router (MA_NAME=router) (an srun task): picks a free port,
-# fills __HOST__, __PORT__, __NODE_RANK__, __DIST_INIT__ and __API_KEY__ (from $MA_API_KEY_ENV) into the
-# command and runs it. Node rank 0 publishes host:port in $RUN_DIR/logs/addresses/$MA_NAME only once the
+# fills __HOST__, __PORT__, __METRICS_PORT__ (a second free port), __NODE_RANK__, __DIST_INIT__ and __API_KEY__
+# (from $MA_API_KEY_ENV) into the command and runs it. Node rank 0 publishes host:port in $RUN_DIR/logs/addresses/$MA_NAME only once the
 # process it started (or a child of it) listens on that port (mega_async.utils.comm.listens), so the job's wait for
 # /health never meets another process that took the port first. A server that ends before that and whose
 # output says its port was taken (mega_async.utils.comm.lost_the_port) is started again on another port, at most
@@ -33,9 +33,15 @@ sys.exit(0 if listens(int(sys.argv[1]), int(sys.argv[2])) in (True, None) else 1
 for ((try = 1; ; try++)); do
   ((stopping == 0)) || exit 143
   port=$("$PYTHON" -c 'from mega_async.utils.comm import free_port; print(free_port("0.0.0.0"))')
+  metrics_port=""
+  case "$*" in *__METRICS_PORT__*)
+    metrics_port=$("$PYTHON" -c 'import sys; from mega_async.utils.comm import free_port
+while (p := free_port("0.0.0.0")) == int(sys.argv[1]): pass
+print(p)' "$port") ;;
+  esac
   args=()
   for a in "$@"; do
-    a=${a//__HOST__/$host}; a=${a//__PORT__/$port}; a=${a//__NODE_RANK__/$rank}; a=${a//__DIST_INIT__/${MA_DIST_INIT:-}}
+    a=${a//__HOST__/$host}; a=${a//__PORT__/$port}; a=${a//__METRICS_PORT__/$metrics_port}; a=${a//__NODE_RANK__/$rank}; a=${a//__DIST_INIT__/${MA_DIST_INIT:-}}
     [ -z "${MA_API_KEY_ENV:-}" ] || a=${a//__API_KEY__/${!MA_API_KEY_ENV:-}}
     args+=("$a")
   done
