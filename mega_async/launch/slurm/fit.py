@@ -1,5 +1,6 @@
-"""Does the model fit? Parameter counts from an HF config and per-GPU memory of the servers (weights) and
-of the Megatron trainer (weights, fp32 grads, distributed Adam state). Pure arithmetic, no torch."""
+"""Does the model fit? Parameter counts from an HF config and per-GPU memory of the servers (weights) and of the
+Megatron trainer per pipeline stage (weights, fp32 grads, distributed Adam state, activations under the recompute
+mode). Pure arithmetic, no torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,16 +45,6 @@ def attention_params(c: Any) -> int:
     from mega_async.bridge.model_cards import _attention
 
     return c.num_hidden_layers * _attention(c)
-
-
-def trainer_gib_per_gpu(p: ParamCount, s: ParallelStrategy, dtype: str) -> float:
-    """Weights + fp32 grads on every rank, Adam (m, v and fp32 master weights for 16-bit) sharded over DP
-    (experts over expert-DP), as Megatron's distributed optimizer keeps them."""
-    w = bytes_per_param(dtype)
-    opt = 12 if w == 2 else 8
-    dense = p.dense / (s.tp * s.pp)
-    expert = p.expert / (s.ep * s.etp * s.pp)
-    return (dense * (w + 4 + opt / (s.dp * s.cp)) + expert * (w + 4 + opt / max(1, s.edp))) / GIB
 
 
 # ---- the trainer per pipeline stage: model state and activations ------------------------------------------------
@@ -164,6 +155,7 @@ def trainer_stage_fits(c: Any, s: ParallelStrategy, dtype: str, tokens_per_mb: i
         whole = (b - a) * whole_attn + n_moe * router
         split += (V * h if i == 0 else 0) + (V * h if last and not tied else 0) + (V * h if last and tied and pp > 1
                                                                                    else 0)
+        whole += h if last else 0  # the final norm
         experts = n_moe * E * 3 * h * ffn_e
         if last and mtp:  # each MTP module: two norms and eh_proj, one (MoE) decoder layer, its head's norm
             split += mtp * (2 * h * h + attn - whole_attn + (shared if E else 3 * h * c.intermediate_size))
