@@ -183,7 +183,7 @@ def _eager(fn: Any = None, **_options: Any) -> Any:
     return fn if fn is not None else (lambda f: f)
 
 
-def import_megatron() -> None:
+def import_megatron() -> bool:
     """Import Megatron-Core with its `jit_fuser` eager when CUDA is unavailable.
 
     Megatron decorates about thirty small functions with `torch.compile` (`megatron.core.jit.jit_fuser`), some on the
@@ -193,9 +193,9 @@ def import_megatron() -> None:
     operations on tiny tensors; eager, they compute the same. The first import of `megatron.core` sees an eager
     `torch.compile`; later imports then bind Megatron's `noop_decorator`. Call before anything imports Megatron
     (`init_parallel_state` and the engine do); when Megatron is already imported, `apply_cpu_patches` unwraps the
-    compiled functions instead. On a GPU nothing changes."""
+    compiled functions instead. On a GPU nothing changes. Returns whether it imported Megatron so."""
     if torch.cuda.is_available() or "megatron.core.jit" in sys.modules:
-        return
+        return False
     real = torch.compile
     torch.compile = _eager  # type: ignore[assignment]
     try:
@@ -203,6 +203,7 @@ def import_megatron() -> None:
     finally:
         torch.compile = real  # type: ignore[assignment]
     mjit.disable_jit_fuser()
+    return True
 
 
 def _unwrap_compiled() -> int:
@@ -234,8 +235,8 @@ def apply_cpu_patches() -> bool:
         return False
     if _APPLIED:
         return True
-    import_megatron()
-    _unwrap_compiled()
+    if not import_megatron():  # imported before, with its compiling jit_fuser
+        _unwrap_compiled()
     proxy = _CpuTorch()
     for name in _MODULES:
         try:

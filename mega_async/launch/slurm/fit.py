@@ -164,10 +164,8 @@ def trainer_stage_fits(c: Any, s: ParallelStrategy, dtype: str, tokens_per_mb: i
         dense_b = (split / s.tp + whole) * (w + 4 + opt / (s.dp * s.cp))
         state = dense_b + experts / (s.ep * s.etp) * (w + 4 + opt / max(1, s.edp))
         in_flight = pp - i
-        per_token = sum(layer_activation_elements(c, _is_moe(c, a + j), recompute, modules)
-                        for j in range(b - a)) if b - a <= 512 else (
-            n_moe * layer_activation_elements(c, True, recompute, modules)
-            + n_dense * layer_activation_elements(c, False, recompute, modules))
+        per_token = (n_moe * layer_activation_elements(c, True, recompute, modules)
+                     + n_dense * layer_activation_elements(c, False, recompute, modules))
         acts = in_flight * per_token * tokens * act
         rebuilt = 0.0
         if recompute == "full":  # one chunk recomputed whole during its backward
@@ -179,8 +177,3 @@ def trainer_stage_fits(c: Any, s: ParallelStrategy, dtype: str, tokens_per_mb: i
         out.append(StageFit(i, b - a + (mtp if last else 0), in_flight, state / GIB, acts / GIB, rebuilt / GIB))
     return out
 
-
-def _is_moe(c: Any, layer: int) -> bool:
-    from mega_async.bridge.model_cards import _moe_layers
-
-    return _moe_layers(c, layer + 1) > _moe_layers(c, layer)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from mega_async.api.allocation import Allocation, AllocationError, validate_for_model
+from mega_async.api.config import TrainerConfig
 from mega_async.launch.slurm import fit
 
 
@@ -163,7 +164,7 @@ def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float]
         kind = "FP8 " if fp8 else ""
         raise LaunchError(f"a server of {inf.tp} GPUs holds {srv:.1f} GiB of {kind}weights per GPU, over "
                           f"{fit.SERVER_WEIGHT_FRACTION:.0%} of a {gpu_gib:g} GiB GPU: raise the inference part's t")
-    t = trainer if trainer is not None else _DefaultTrainer()
+    t = trainer if trainer is not None else TrainerConfig()
     mtp = 0 if t.mtp == "off" else None
     stages = fit.trainer_stage_fits(c, alloc.train, dtype, t.max_tokens_per_mb, t.recompute, t.recompute_modules,
                                     t.recompute_num_layers, mtp_layers=mtp)
@@ -187,11 +188,3 @@ def _check_model(alloc: Allocation, c: Any, dtype: str, gpu_gib: Optional[float]
                           f"a {gpu_gib:g} GiB GPU: {hint}, or more pipeline/expert parallelism or trainer nodes")
     return lines
 
-
-class _DefaultTrainer:
-    """The trainer section's defaults, where no run config is given (a plan made from an allocation alone)."""
-
-    def __init__(self) -> None:
-        from mega_async.api.config import TrainerConfig
-
-        self.__dict__.update(vars(TrainerConfig()))

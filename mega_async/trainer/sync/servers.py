@@ -76,8 +76,8 @@ class ServerCalls:
 
     def generate(self, payloads: list[dict], addresses: list[str]) -> list[tuple[str, dict]]:
         """Every payload on every server of `addresses`: [(address, answer)], servers outer."""
-        client = self.client
-        index = [i for i, a in enumerate(client.addresses) if a in set(addresses)]
+        client, chosen = self.client, set(addresses)
+        index = [i for i, a in enumerate(client.addresses) if a in chosen]
 
         async def all_servers() -> list:
             return list(await asyncio.gather(*(client.generate_on(i, p, timeout=self.timeout)
