@@ -207,6 +207,8 @@ def _watch_parent_from_child(parent: ProcessRef) -> None:
     if not parent.alive() or os.getppid() != parent.pid:
         os._exit(1)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a forked one has the rank's handlers: a spawned one's defaults
+        signal.signal(sig, signal.SIG_DFL)
     watch([parent], parent=parent.pid, on_loss=_end_quietly)
 
 
@@ -218,7 +220,11 @@ def guard_checkpoint_writer() -> None:
     """Megatron's `torch_dist` writer collects its results through a spawned multiprocessing manager that it
     starts on the first save and keeps (about 275 MB); nothing ends it when this process is SIGKILLed, and with
     it stays multiprocessing's resource tracker. Start that manager ourselves, from this (main) thread, with an
-    initializer that watches this process, before Megatron would. Idempotent; a no-op if Megatron changed."""
+    initializer that watches this process, before Megatron would. Idempotent; a no-op if Megatron changed.
+
+    Megatron starts it with "spawn" (no CUDA state copied into it); without CUDA it is forked: a spawned one is a
+    fresh interpreter that re-imports the rank's main module (torch, Megatron), about 4 CPU-seconds a rank a run
+    for a process that only relays a queue."""
     try:
         from megatron.core.dist_checkpointing.strategies import filesystem_async as fsa
     except ImportError:
@@ -227,9 +233,10 @@ def guard_checkpoint_writer() -> None:
         return  # already started (by us or by Megatron), or a Megatron without it
     from multiprocessing.managers import SyncManager
 
+    import torch
     import torch.multiprocessing as mp
 
-    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager = SyncManager(ctx=mp.get_context("spawn" if torch.cuda.is_available() else "fork"))
     manager.start(initializer=_watch_parent_from_child, initargs=(ProcessRef.of(os.getpid()),))
     fsa._results_queue = manager.Queue()  # the proxy keeps the manager (shut down at exit as Megatron's was)
     logger.debug("checkpoint writer's result manager: pid %s, ends with this process", manager._process.pid)

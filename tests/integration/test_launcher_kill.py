@@ -44,14 +44,40 @@ def start(model: Path, tmp: Path, allocation: str) -> tuple[subprocess.Popen, Pa
                              preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     run = tmp / "runs" / "tiny_cpu" / "run0"
     deadline = time.monotonic() + 400
-    while not (steps(run) and list((run / "checkpoints").glob("step_*[0-9]"))):
-        assert p.poll() is None, stderr(tmp)[-4000:]
-        assert time.monotonic() < deadline, "no step and checkpoint in 400 s"
-        time.sleep(0.5)
-    tree = psutil.Process(p.pid).children(recursive=True)
-    cmds = " ".join(_cmd(c) for c in tree)
-    assert "mega_async.server" in cmds and "spawn_main" in cmds and "resource_tracker" in cmds, cmds
+    tree: list[psutil.Process] = []
+    try:
+        while not (steps(run) and list((run / "checkpoints").glob("step_*[0-9]"))):
+            assert p.poll() is None, stderr(tmp)[-4000:]
+            assert time.monotonic() < deadline, "no step and checkpoint in 400 s"
+            time.sleep(0.5)
+        tree = psutil.Process(p.pid).children(recursive=True)
+        cmds = " ".join(_cmd(c) for c in tree)
+        assert "mega_async.server" in cmds and writer_managers(tree), cmds
+    except BaseException:  # the job (200 steps) must not outlive a failed start
+        cleanup(p, tree or _tree(p))
+        raise
     return p, run, tree
+
+
+def _tree(p: subprocess.Popen) -> list[psutil.Process]:
+    try:
+        return psutil.Process(p.pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def writer_managers(tree: list[psutil.Process]) -> list[psutil.Process]:
+    """The checkpoint writer's result managers in `tree`: a trainer rank's child that is its fork (same command
+    line: CPU) or a spawned interpreter (`spawn_main`: CUDA)."""
+    out = []
+    for c in tree:
+        try:
+            parent = _cmd(c.parent()) if c.parent() else ""
+        except psutil.Error:
+            continue
+        if "-m mega_async.cli train" in parent and (_cmd(c) == parent or "spawn_main" in _cmd(c)):
+            out.append(c)
+    return out
 
 
 def stderr(tmp: Path) -> str:
