@@ -3,10 +3,12 @@
   train-step  Megatron MoE train steps (the project's MegatronTrainEngine: decoupled PPO loss, DDP,
               distributed optimizer) on a ~1B-active Qwen3-MoE with random weights at bf16: tokens/s and
               MFU (6 x active params + attention flops per token, over the GPU's dense bf16 peak).
-  server-gen  the embedded server's generation tokens/s on the GPU (HTTP + batching included).
+  server-gen  configs/bench/serve_gpu.yaml once: generation tokens/s of real SGLang started as the
+              qwen3_30b_a3b recipe starts it (TP = EP over the GPUs) and of the embedded server on the same
+              requests (the in-run baseline of the ratio); mega_async.bench.serving.
 
---cpu-dry-run runs both on the tiny model on CPU (fp32, gloo) in seconds: it checks this script's Python,
-not the figures. Without a GPU and without --cpu-dry-run a part prints {"skipped": reason}.
+--cpu-dry-run runs both on the tiny model on CPU (fp32, gloo; server-gen on real SGLang's CPU engine, which
+tools/install_sglang_cpu.sh builds): it checks this script's Python, not the figures. Without a GPU and without --cpu-dry-run a part prints {"skipped": reason}.
 
     python tools/bench_gpu.py train-step
     python tools/bench_gpu.py server-gen --cpu-dry-run
@@ -14,7 +16,6 @@ not the figures. Without a GPU and without --cpu-dry-run a part prints {"skipped
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import statistics
@@ -27,10 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# ~1B active of ~2.7B total: 16 layers, hidden 2048, 16 experts (top 4) of 1536, vocab 32k
-MOE_1B = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
-              intermediate_size=6144, moe_intermediate_size=1536, num_experts=16, num_experts_per_tok=4,
-              vocab_size=32768, max_position_embeddings=8192)
+from mega_async.bench.serving import MOE_1B  # noqa: E402 - the GPU scenarios' model size: ~1B active of ~2.7B
+
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=128, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, vocab_size=1024,
             max_position_embeddings=4096)
@@ -134,34 +133,24 @@ def train_step(dry: bool, steps: int, seqs: int, seq_len: int) -> dict[str, Any]
             "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if torch.cuda.is_available() else None}
 
 
-def server_gen(dry: bool, batch: int, new_tokens: int) -> dict[str, Any]:
-    """All `batch` requests at once against one embedded server (EOS ignored): generated tokens/s."""
+def server_gen(dry: bool) -> dict[str, Any]:
+    """configs/bench/serve_gpu.yaml's measurement once (mega_async.bench.serving): real SGLang as the recipe starts it
+    and the embedded server, same requests; with --cpu-dry-run the tiny model on real SGLang's CPU engine."""
     import torch
 
-    from mega_async.inference.client import SGLangClient
-    from mega_async.inference.servers import ServerLauncher, ServerSpec
-    from mega_async.bridge.model_cards import TINY_MOE, init_random_weights
-    from mega_async.api.types import ModelRequest
+    from mega_async.bench import serving
+    from mega_async.bench.scenarios import load_scenario
 
-    d = init_random_weights(TINY_MOE, Path(tempfile.mkdtemp(prefix="bench_gpu_srv_")) / "m", seed=0)
-    device = "cpu" if dry else "cuda"
-    spec = ServerSpec("embedded", str(d), extra_args=["--device", device, "--max-running-requests", str(batch)])
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, 1000, (batch, 32), generator=g).tolist()
-    with ServerLauncher(spec, startup_timeout=180) as launcher:
-        client = SGLangClient(launcher.addresses)
-
-        async def run(ps: list[list[int]], n: int) -> float:
-            reqs = [ModelRequest(input_ids=p, max_new_tokens=n, temperature=1.0, ignore_eos=True) for p in ps]
-            t0 = time.perf_counter()
-            outs = await asyncio.gather(*(client.agenerate(r) for r in reqs))
-            assert all(len(o.output_tokens) == n for o in outs)
-            return len(ps) * n / (time.perf_counter() - t0)
-
-        asyncio.run(run(prompts[:2], 8))  # warm-up
-        tps = asyncio.run(run(prompts, new_tokens))
-    return {"part": "server-gen", "device": device, "model": "tiny-qwen3-moe", "batch": batch,
-            "new_tokens": new_tokens, "tokens_per_s": round(tps, 1)}
+    serve = load_scenario(ROOT / "configs" / "bench" / "serve_gpu.yaml").serve
+    if dry:
+        serve = serving.cpu_dry_run(serve)
+    with tempfile.TemporaryDirectory(prefix="bench_gpu_srv_") as d:
+        r = serving.serve_figures(serve, Path(d))
+    dev = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"part": "server-gen", "device": dev, "gpus": torch.cuda.device_count(), "model": serve["model"],
+            "batch": serve["batch"], "new_tokens": serve["new_tokens"],
+            **{k: round(v, 3) if isinstance(v, float) else v for k, v in r["figures"].items()},
+            "server_line": r["server_lines"]["sglang"]}
 
 
 def _free_port() -> int:
@@ -177,8 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=256)
     a = ap.parse_args(argv)
     import torch
 
@@ -189,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         seqs, L = (2, 64) if a.cpu_dry_run else (a.seqs, a.seq_len)
         res = train_step(a.cpu_dry_run, 1 if a.cpu_dry_run else a.steps, seqs, L)
     else:
-        b, n = (4, 8) if a.cpu_dry_run else (a.batch, a.new_tokens)
-        res = server_gen(a.cpu_dry_run, b, n)
+        res = server_gen(a.cpu_dry_run)
     print(json.dumps(res))
     return 0
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# GPU check for a single-GPU machine, under 8 minutes: the GPU-marked tests, Megatron parity with the local
+# GPU check for a GPU machine, under 14 minutes: the GPU-marked tests, Megatron parity with the local
 # and Transformer Engine specs (tools/gpu_parity.py), a Megatron MoE train-step figure (~1B active, bf16,
-# random weights: tokens/s and MFU) and the embedded server's generation tokens/s on the GPU
-# (tools/bench_gpu.py). Prints one summary block; a part that cannot run says why and is skipped.
+# random weights: tokens/s and MFU; tools/bench_gpu.py) and the GPU serving scenario (configs/bench/serve_gpu.yaml:
+# real SGLang as the recipes start it, TP = EP over the GPUs, against the embedded server in the same run, gated by
+# benchmarks/baselines/gpu.json). Prints one summary block; a part that cannot run says why and is skipped.
 #
 #   tools/gpu_check.sh                     # on the GPU machine, from the repository root
 #   tools/gpu_check.sh --wheels DIR        # first install the wheels in DIR (no index), e.g. megatron-core
@@ -95,7 +96,12 @@ else
       add "$p" SKIP "megatron-core not installed (build it here with pip wheel, pass --wheels DIR)"
     done
   fi
-  run server-gen 100 "$PY" tools/bench_gpu.py server-gen
+  # the GPU scenario through the nightly gate: against benchmarks/baselines/gpu.json, written by the first GPU run
+  # that finds no serve_gpu in it (copy it back into the repository from $LOG)
+  upd=""
+  "$PY" -c "import json,sys; sys.exit('serve_gpu' not in json.load(open('benchmarks/baselines/gpu.json'))['scenarios'])" \
+    2>/dev/null || upd="--update-baseline --baseline $LOG/gpu.json"
+  run server-gen 420 "$PY" -m mega_async.cli bench serve_gpu --repeats 1 --out "$LOG/serve_gpu.json" --no-history $upd
 fi
 
 BLOCK="==== mega_async gpu_check ($(( $(date +%s) - T0 ))s$( [ $DRY -eq 1 ] && echo ', cpu dry run')) ===="

@@ -53,6 +53,8 @@ class Scenario:
     sft: Optional[dict[str, Any]] = None  # {config, overrides}: a `mega-async sft` run first, its model trained on
     accuracy: Optional[dict[str, Any]] = None  # {target, window}: accuracy figures from the run's reward
     executor: Optional[dict[str, Any]] = None  # {trajectories, batch, eta}
+    serve: Optional[dict[str, Any]] = None  # {config, model, batch, new_tokens}: mega_async.bench.serving
+    device: str = "any"  # gpu: runs only where a GPU is visible (left out of a CPU machine's nightly run)
     figures: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {better, threshold, max_tolerance}
     path: str = ""
 
@@ -61,17 +63,27 @@ def load_scenario(path: str | Path) -> Scenario:
     """Read and validate one scenario YAML."""
     p = Path(path)
     raw = yaml.safe_load(p.read_text()) or {}
-    known = {"name", "description", "repeats", "train", "executor", "figures", "sft", "accuracy"}
+    known = {"name", "description", "repeats", "train", "executor", "figures", "sft", "accuracy", "serve", "device"}
     unknown = set(raw) - known
     if unknown:
         raise BenchError(f"{p}: unknown key(s) {sorted(unknown)}; a scenario has {sorted(known)}")
     s = Scenario(name=raw.get("name") or p.stem, description=raw.get("description", ""),
                  repeats=raw.get("repeats", 3), train=raw.get("train"), executor=raw.get("executor"),
-                 figures=raw.get("figures") or {}, sft=raw.get("sft"), accuracy=raw.get("accuracy"), path=str(p))
+                 figures=raw.get("figures") or {}, sft=raw.get("sft"), accuracy=raw.get("accuracy"),
+                 serve=raw.get("serve"), device=raw.get("device", "any"), path=str(p))
     if not isinstance(s.repeats, int) or s.repeats < 1:
         raise BenchError(f"{p}: repeats={s.repeats!r} must be a positive integer")
-    if s.train is None and s.executor is None:
-        raise BenchError(f"{p}: a scenario needs a train: and/or an executor: section")
+    if s.train is None and s.executor is None and s.serve is None:
+        raise BenchError(f"{p}: a scenario needs a train:, an executor: and/or a serve: section")
+    if s.device not in ("any", "gpu"):
+        raise BenchError(f"{p}: device={s.device!r}: use any (the default) or gpu")
+    if s.serve is not None:
+        from mega_async.bench.serving import SIZES
+
+        bad = set(s.serve) - {"config", "model", "batch", "new_tokens"}
+        if bad or "config" not in s.serve or s.serve.get("model", "tiny") not in SIZES:
+            raise BenchError(f"{p}: serve: takes config (a run YAML), model (one of {sorted(SIZES)}), batch and "
+                             f"new_tokens, got {s.serve!r}")
     if s.train is not None:
         bad = set(s.train) - {"config", "overrides"}
         if bad or "config" not in s.train:
@@ -104,17 +116,32 @@ def _check_task_sections(s: Scenario, p: Path) -> None:
                              f"and needs a train: section, got {a!r}")
 
 
+def gpu_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001 - no usable torch: no GPU either
+        return False
+
+
 def find_scenarios(names: Sequence[str] = ()) -> list[Scenario]:
-    """Scenarios by name or path; all of configs/bench/ when none are named."""
+    """Scenarios by name or path; all of configs/bench/ when none are named (on a machine without a GPU, all but
+    the `device: gpu` ones; naming one there is an error)."""
     if not names:
-        return [load_scenario(p) for p in sorted(SCENARIO_DIR.glob("*.yaml"))]
+        found = [load_scenario(p) for p in sorted(SCENARIO_DIR.glob("*.yaml"))]
+        return [s for s in found if s.device != "gpu"] if not gpu_visible() else found
     out = []
     for n in names:
         p = Path(n) if n.endswith((".yaml", ".yml")) else SCENARIO_DIR / f"{n}.yaml"
         if not p.exists():
             have = ", ".join(sorted(x.stem for x in SCENARIO_DIR.glob("*.yaml")))
             raise BenchError(f"no scenario {n!r} ({p} does not exist); scenarios: {have}")
-        out.append(load_scenario(p))
+        s = load_scenario(p)
+        if s.device == "gpu" and not gpu_visible():
+            raise BenchError(f"scenario {s.name} needs a GPU and none is visible here; on CPU, "
+                             "tools/bench_gpu.py server-gen --cpu-dry-run runs its code on the tiny model")
+        out.append(s)
     return out
 
 
@@ -293,6 +320,10 @@ def run_scenario(s: Scenario, run_root: Path, sft_cache: Optional[Path] = None) 
         if s.executor is not None:
             e = executor_overhead(**s.executor)
             figs.update({k: v for k, v in e.items() if k != "trajectories"})
+        if s.serve is not None:
+            from mega_async.bench.serving import serve_figures
+
+            figs.update(serve_figures(s.serve, run_root / f"{s.name}_r{i}")["figures"])
         if s.train is not None:
             t = run_train(s.train["config"], train_ov, run_root, f"{s.name}_r{i}", accuracy=s.accuracy)
             figs.update(t["figures"])

@@ -1,6 +1,7 @@
 """tools/bench_gpu.py and tools/gpu_check.sh on CPU: the parameter/flop arithmetic against a real model's
 count, the skip path without a GPU, and (slow) the --cpu-dry-run of every Python part."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -46,11 +47,18 @@ def test_gpu_check_without_gpu_fails_every_part_with_a_reason(tmp_path):
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr
 
 
-@pytest.mark.slow  # two tiny runs: a Megatron train step and an embedded server on CPU (~1-2 min on 2 cores)
+@pytest.mark.slow  # a Megatron train step, a real SGLang CPU server and an embedded one (~1-2 min on 2 cores)
 def test_gpu_check_cpu_dry_run_runs_every_python_part(tmp_path):
+    """server-gen runs the GPU serving scenario's code: real SGLang (its CPU engine here, $SGLANG_CPU_VENV, which
+    CI's second step builds) started by the project's launcher, then the embedded server on the same requests."""
     env = {**os.environ, "GPU_CHECK_DIR": str(tmp_path), "PYTHON": sys.executable}  # this venv's, not PATH's
     r = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True,
                        text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "train-step   ok" in r.stdout and '"tokens_per_s"' in r.stdout
     assert "server-gen   ok" in r.stdout and "==== PASS ====" in r.stdout
+    gen = json.loads((tmp_path / "server-gen.log").read_text().strip().splitlines()[-1])
+    assert gen["sglang_gen_tokens_per_s"] > 0 and gen["embedded_gen_tokens_per_s"] > 0
+    assert gen["sglang_over_embedded"] == pytest.approx(
+        gen["sglang_gen_tokens_per_s"] / gen["embedded_gen_tokens_per_s"], rel=0.01)
+    assert "-m sglang.launch_server" in gen["server_line"] and "--device cpu" in gen["server_line"]
