@@ -9,7 +9,7 @@ For each engine in turn (one server at a time, started by the project's launcher
                (token, layer) routes whose expert set equals transformers' router top-k
   weight sync  `--pushes` pushes of the distributed sync (one Megatron rank, gloo, SGLang's weight-update sessions)
                with the default abort pause, each with its parts: pause, buckets (gather, broadcast, server), commit
-               and continue, as DistributedWeightSync reports them and the pause bracket's events; with the server
+               and continue, as distributed_sync reports them and the pause bracket's events; with the server
                idle, then with 8 requests decoding throughout (what a run's sync meets), then the same without
                aborting ahead of the pause (`busy_pause_only`, the bracket before it did: the baseline of
                `SGLangClient.abort_in_flight`, which spares real SGLang's pause its 1 s poll)
@@ -102,7 +102,7 @@ def weight_sync(addresses, pushes: int) -> dict:
 
     from mega_async.inference.client import SGLangClient
     from mega_async.trainer.model import build_model
-    from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
+    from mega_async.trainer.sync import distributed_sync, RolloutSide
     from mega_async.api.types import ModelRequest, WeightVersion
 
     models = build_model(str(CARD), "megatron:d1", load_weights=True)
@@ -116,7 +116,7 @@ def weight_sync(addresses, pushes: int) -> dict:
 
             client.abort_in_flight = pause_only
         events = Timeline()
-        sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, timeout=120, events=events)
+        sync = distributed_sync(models, version, RolloutSide(client), addresses, timeout=120, events=events)
         stop = threading.Event()
 
         async def decode() -> None:

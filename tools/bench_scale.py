@@ -41,7 +41,7 @@ def controller(a: argparse.Namespace) -> dict:
     from mega_async.inference.client import SGLangClient
     from mega_async.rollout.executor import WorkflowExecutor
     from mega_async.rollout.workflow import RLVRWorkflow
-    from mega_async.trainer.sync import RolloutSide, WeightSync
+    from mega_async.trainer.sync import RolloutSide, Transport, WeightSync
     from mega_async.api.types import WeightVersion
 
     addresses = Path(a.addresses_file).read_text().split()
@@ -90,17 +90,17 @@ def controller(a: argparse.Namespace) -> dict:
     async def reward(prompt, completion, **item):
         return float(len(item["output_tokens"]) % 2)
 
-    class ControlPlaneSync(WeightSync):
-        """DistributedWeightSync's HTTP sequence (begin, buckets, commit, end) without the broadcast."""
+    class ControlPlane(Transport):
+        """distributed_sync's HTTP sequence (begin, buckets, commit, end) without the broadcast."""
 
-        def _update(self, target: int):
-            c, t = self.rollout.client, self.timeout
+        def update(self, target: int):
+            c, t = self.ctx.rollout.client, self.ctx.timeout
             t0 = time.perf_counter()
             calls = []
 
             def run(coro):
                 t1 = time.perf_counter()
-                self._loop.run(coro, t + 10)
+                self.ctx.loop.run(coro, t + 10)
                 calls.append(round(time.perf_counter() - t1, 4))
 
             run(c.begin_weight_update(timeout=t))
@@ -109,7 +109,7 @@ def controller(a: argparse.Namespace) -> dict:
                 run(c.update_weights_from_distributed(names, ["bfloat16"] * 32, [[1024, 1024]] * 32, "bench",
                                                       load_format="flattened_bucket", timeout=t, flush_cache=False))
             run(c.update_weights_from_distributed([], [], [], "bench", version=target, timeout=t,
-                                                  flush_cache=self.flush_cache))
+                                                  flush_cache=self.ctx.flush_cache))
             run(c.end_weight_update(timeout=t))
             marks.setdefault("control", []).append(time.perf_counter() - t0)
             marks.setdefault("calls", []).append(calls)
@@ -119,8 +119,8 @@ def controller(a: argparse.Namespace) -> dict:
     workflow = Workflow(reward, max_new_tokens=a.max_new_tokens, stop_token_ids=[2])
     ex = WorkflowExecutor(client, workflow, consumer_batch_size=B, max_staleness=MAX_STALENESS,
                           max_concurrent_rollouts=C, version=version, max_consecutive_failures=None)
-    sync = ControlPlaneSync([], version, RolloutSide(client, ex), timeout=300, events=Events(),
-                            interrupt=a.interrupt)
+    sync = WeightSync([], version, RolloutSide(client, ex), ControlPlane(), timeout=300, events=Events(),
+                      interrupt=a.interrupt)
     t0 = time.perf_counter()
     sync._loop.run(client.init_weights_update_group("127.0.0.1", 29999, "bench", timeout=300), 310)
     init_s = time.perf_counter() - t0

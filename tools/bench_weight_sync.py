@@ -1,4 +1,4 @@
-"""Weight-sync throughput: a full DistributedWeightSync push into an embedded server against a raw gloo
+"""Weight-sync throughput: a full distributed_sync push into an embedded server against a raw gloo
 broadcast of the same buckets (same sizes, same order) to a bare receiver, measured in the same run.
 
     python tools/bench_weight_sync.py [--layouts megatron:d1,megatron:t2,megatron:d2e2] [--repeats 3]
@@ -52,7 +52,7 @@ def worker(args: argparse.Namespace) -> None:
     from mega_async.inference.servers import ServerLauncher, ServerSpec
     from mega_async.trainer.model import build_model
     from mega_async.trainer.parallel import destroy_parallel_state
-    from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
+    from mega_async.trainer.sync import distributed_sync, RolloutSide
     from mega_async.api.types import WeightVersion
 
     models = build_model(args.model, args.layout, load_weights=True)
@@ -67,17 +67,17 @@ def worker(args: argparse.Namespace) -> None:
         dist.broadcast_object_list(box, src=0)
     version = WeightVersion()
     rollout = RolloutSide(SGLangClient(box[0], version=version)) if rank0 else None
-    sync = DistributedWeightSync(models, version, rollout, box[0], bucket_bytes=args.bucket_bytes, timeout=120)
+    sync = distributed_sync(models, version, rollout, box[0], bucket_bytes=args.bucket_bytes, timeout=120)
     try:
         sync.push()  # warm-up
         runs = []
         for _ in range(args.repeats):
             runs.append(sync.push())
         sizes = []
-        if sync.resharder.is_stage_head and rank0:
-            sizes = [b.nbytes for b in sync.resharder.buckets()]
+        if sync.transport.resharder.is_stage_head and rank0:
+            sizes = [b.nbytes for b in sync.transport.resharder.buckets()]
         else:
-            for _ in sync.resharder.buckets():
+            for _ in sync.transport.resharder.buckets():
                 pass
         if rank0:
             port = free_port()

@@ -84,7 +84,7 @@ def run_training(cfg: RunConfig, stop_requested: Optional[Callable[[], bool]] = 
 
 def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
     """Run `trainer.total_steps` rollout steps with weight-version bumps; returns per-step stats."""
-    from mega_async.trainer.sync import ReloadWeightSync, RolloutSide, run_version
+    from mega_async.trainer.sync import reload_sync, RolloutSide, run_version
 
     version = run_version()
     events = EventLog(cfg.run_dir / "events.jsonl")  # the timeline; written from the first event on
@@ -96,7 +96,7 @@ def run_rollout(cfg: RunConfig) -> list[dict[str, float]]:
         data, workflow, flt = rollout_parts(cfg, service)
         with WorkflowExecutor.from_config(cfg.rollout, service.engine, workflow, should_accept=flt,
                                           version=version.view(), events=events) as ex:
-            sync = ReloadWeightSync(version, RolloutSide(service.engine, ex), cfg.model.path,
+            sync = reload_sync(version, RolloutSide(service.engine, ex), cfg.model.path,
                                     timeout=cfg.trainer.sync_timeout, events=events, interrupt=cfg.rollout.interrupt)
             try:
                 for step in range(cfg.trainer.total_steps):

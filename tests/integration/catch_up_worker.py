@@ -21,7 +21,7 @@ from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
 from mega_async.run.head import await_groups
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
-from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
+from mega_async.trainer.sync import distributed_sync, RolloutSide
 from mega_async.api.types import WeightVersion
 
 PROBE = [3, 14, 15, 92, 65, 35]
@@ -72,7 +72,7 @@ def main() -> None:
         ledger = Ledger(f"{args.logs}/rollouts.jsonl")
         with WorkflowExecutor(client, wf, consumer_batch_size=2, max_staleness=0, version=version.view(),
                               ledger=ledger) as ex:
-            sync = DistributedWeightSync(models, version, RolloutSide(client, ex), addresses, bucket_bytes=64 << 10,
+            sync = distributed_sync(models, version, RolloutSide(client, ex), addresses, bucket_bytes=64 << 10,
                                          timeout=60)
             result["v0"] = probe(client)
             with torch.no_grad():  # a "training step": the new version differs

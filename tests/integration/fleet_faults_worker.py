@@ -1,5 +1,5 @@
 """One trainer rank over 64 simulated fleet servers with the real client, executor, ledger and
-DistributedWeightSync(data_plane="none"): a run of training steps while 10% of the servers crash at random
+distributed_sync(data_plane="none"): a run of training steps while 10% of the servers crash at random
 moments and come back as new processes at their launch weights. Writes what the test checks as JSON."""
 import argparse
 import json
@@ -19,7 +19,7 @@ from mega_async.rollout.ledger import Ledger
 from mega_async.rollout.workflow import RLVRWorkflow
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
-from mega_async.trainer.sync import DistributedWeightSync, RolloutSide
+from mega_async.trainer.sync import distributed_sync, RolloutSide
 from mega_async.api.types import WeightVersion
 
 ETA, B = 2, 32
@@ -57,7 +57,7 @@ def main() -> None:
             ledger = Ledger(out_dir / "rollouts.jsonl")
             ex = WorkflowExecutor(client, RLVRWorkflow(one_reward, max_new_tokens=160, stop_token_ids=[2]),
                                   consumer_batch_size=B, max_staleness=ETA, version=version, ledger=ledger)
-            sync = DistributedWeightSync(models, version, RolloutSide(client, ex), fleet.addresses,
+            sync = distributed_sync(models, version, RolloutSide(client, ex), fleet.addresses,
                                          bucket_bytes=256 << 10, timeout=60, data_plane="none")
             items = (Sample(k, 0, {"input_ids": [k % 97 + 3, k % 89 + 5, 7, k % 1000]})
                      for k in range(100_000))

@@ -1,4 +1,4 @@
-"""One trainer rank, DistributedWeightSync(data_plane="none") and a fleet of simulated servers: the distributed
+"""One trainer rank, distributed_sync(data_plane="none") and a fleet of simulated servers: the distributed
 sync's whole control plane (release discovery, group, sessions, buckets, commit, end) with no tensor moved, while
 requests are in flight; then the same seam refused against servers that have a data plane. Writes JSON."""
 import argparse
@@ -13,7 +13,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.sim.fleet import Fleet, FleetConfig
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
-from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
+from mega_async.trainer.sync import distributed_sync, RolloutSide, SyncError
 from mega_async.api.types import ModelRequest, WeightVersion
 
 
@@ -31,7 +31,7 @@ def main() -> None:
             version = WeightVersion()
             client = SGLangClient(fleet.addresses, version=version)
             t0 = time.perf_counter()
-            sync = DistributedWeightSync(models, version, RolloutSide(client), fleet.addresses, bucket_bytes=64 << 10,
+            sync = distributed_sync(models, version, RolloutSide(client), fleet.addresses, bucket_bytes=64 << 10,
                                          timeout=60, data_plane="none")
             result["init_s"] = time.perf_counter() - t0
             responses: list = []
@@ -66,7 +66,7 @@ def main() -> None:
 
             SGLangClient.server_info = real_server_info  # what a real SGLang answers: no "fleet" section
             try:
-                DistributedWeightSync(models, WeightVersion(), RolloutSide(SGLangClient(fleet.addresses)),
+                distributed_sync(models, WeightVersion(), RolloutSide(SGLangClient(fleet.addresses)),
                                       fleet.addresses, timeout=10, data_plane="none")
                 result["refused"] = None
             except SyncError as e:

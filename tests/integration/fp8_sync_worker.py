@@ -14,7 +14,7 @@ from mega_async.trainer.weights import export_hf_weights
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
-from mega_async.trainer.sync import DiskWeightSync, DistributedWeightSync, RolloutSide
+from mega_async.trainer.sync import disk_sync, distributed_sync, RolloutSide
 from mega_async.api.types import WeightVersion
 
 PROMPTS = [[3, 14, 15, 92, 65, 35], [7, 7, 100, 2], [500, 1, 9, 26, 5, 3, 58]]
@@ -76,10 +76,10 @@ def main() -> None:
             trainer = {n: t.float() for n, t in export_hf_weights(models)}
             kw = dict(timeout=60, weight_format="fp8_block", verify_method="checksum")
             if mode == "distributed":
-                sync = DistributedWeightSync(models, version, RolloutSide(client), launcher.addresses,
+                sync = distributed_sync(models, version, RolloutSide(client), launcher.addresses,
                                              bucket_bytes=64 << 10, **kw)
             else:
-                sync = DiskWeightSync(models, version, RolloutSide(client), root / "weights", src_dir=str(card), **kw)
+                sync = disk_sync(models, version, RolloutSide(client), root / "weights", src_dir=str(card), **kw)
             stats = sync.push()
             sync.verify()
             rows = served(client)
@@ -88,7 +88,7 @@ def main() -> None:
                             "trainer": hf_logprobs(card, trainer, rows), "version": version.value,
                             "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
             if mode == "disk":
-                written = sync.path(version.value)
+                written = sync.transport.path(version.value)
                 result["disk_dir"] = {"config": json.loads((written / "config.json").read_text()),
                                       "fp8": sorted(n for n, t in _stored(written) if t.dtype == torch.float8_e4m3fn),
                                       "scales": sorted(n for n, _ in _stored(written) if n.endswith("_scale_inv"))}

@@ -1,5 +1,5 @@
 """Run under torchrun by test_sglang_interop.py: the project's trainer side (Megatron at a layout, gloo) drives
-DistributedWeightSync through SGLangClient into receivers built from SGLang releases (sglang_receiver.py).
+distributed_sync through SGLangClient into receivers built from SGLang releases (sglang_receiver.py).
 
 For each receiver and each load format: a "training step" changes every weight (the same seed on every rank,
 so replicated tensors stay equal), push() sends them, and rank 0 writes the trainer's own HF export
@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from mega_async.inference.client import SGLangClient
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
-from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
+from mega_async.trainer.sync import distributed_sync, RolloutSide, SyncError
 from mega_async.trainer.weights import export_hf_weights
 from mega_async.api.types import WeightVersion
 
@@ -56,7 +56,7 @@ def main() -> None:
                     for p in models[0].parameters():
                         p.add_(0.05 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
                 case: dict = {"format": fmt, "server": address}
-                sync = DistributedWeightSync(models, version, RolloutSide(client), [address], load_format=fmt,
+                sync = distributed_sync(models, version, RolloutSide(client), [address], load_format=fmt,
                                              bucket_bytes=args.bucket_bytes, timeout=60, verify_method="checksum")
                 try:
                     case["stats"] = sync.push()

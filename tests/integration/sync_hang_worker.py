@@ -25,7 +25,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
-from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
+from mega_async.trainer.sync import distributed_sync, RolloutSide, SyncError
 from mega_async.api.types import ModelRequest, WeightVersion
 
 PROBE = [3, 14, 15, 92, 65, 35]
@@ -89,7 +89,7 @@ def main() -> None:
         version = WeightVersion()
         client = SGLangClient(addresses, version=version, health_check_interval=0.2, request_timeout=120)
         result["addresses"] = client.addresses
-        sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, bucket_bytes=64 << 10,
+        sync = distributed_sync(models, version, RolloutSide(client), addresses, bucket_bytes=64 << 10,
                                      timeout=args.timeout)
 
         def stop(i: int) -> None:
@@ -138,7 +138,7 @@ def main() -> None:
         result["pause_back"]["healthy"] = [s.healthy for s in client.servers]
 
         # -- bucket: server 1 stops after the first bucket ---------------------------------------------------------
-        buckets = sync.resharder.buckets
+        buckets = sync.transport.resharder.buckets
 
         def stopping_buckets():
             for k, b in enumerate(buckets()):
@@ -146,11 +146,11 @@ def main() -> None:
                     stop(1)
                 yield b
 
-        sync.resharder.buckets = stopping_buckets
+        sync.transport.resharder.buckets = stopping_buckets
         step(models)
         push(sync, result, "bucket")
         result["bucket"]["detect_s"] = result["bucket"]["end"] - stopped[1]
-        sync.resharder.buckets = buckets
+        sync.transport.resharder.buckets = buckets
         result["bucket"]["served"] = probe(client, 0)
         os.kill(launchers[1].procs[0].pid, signal.SIGCONT)
         step(models)

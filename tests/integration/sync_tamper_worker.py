@@ -24,7 +24,7 @@ from mega_async.inference.client import SGLangClient  # noqa: E402
 from mega_async.inference.servers import ServerLauncher, ServerSpec  # noqa: E402
 from mega_async.trainer.engine import EngineConfig, MegatronTrainEngine  # noqa: E402
 from mega_async.trainer.parallel import destroy_parallel_state  # noqa: E402
-from mega_async.trainer.sync import DiskWeightSync, DistributedWeightSync, RolloutSide, SyncError  # noqa: E402
+from mega_async.trainer.sync import disk_sync, distributed_sync, RolloutSide, SyncError  # noqa: E402
 from mega_async.api.types import WeightVersion  # noqa: E402
 from tests.dist.engine_worker import synthetic_batch  # noqa: E402
 
@@ -113,10 +113,10 @@ def main() -> None:
         kw = dict(timeout=TIMEOUT, verify=eng.compute_logprobs, verify_method=args.method,
                   weight_format="fp8_block" if args.fp8 else "model_dtype")
         if args.sync == "disk":
-            sync = DiskWeightSync(eng.models, version, RolloutSide(client), Path(args.root) / "weights",
+            sync = disk_sync(eng.models, version, RolloutSide(client), Path(args.root) / "weights",
                                   src_dir=args.model, keep=3, **kw)
         else:
-            sync = DistributedWeightSync(eng.models, version, RolloutSide(client), client.addresses,
+            sync = distributed_sync(eng.models, version, RolloutSide(client), client.addresses,
                                          bucket_bytes=64 << 10, **kw)
         shake = args.method == "probe"
         step(eng, 0, shake=shake)
@@ -125,7 +125,7 @@ def main() -> None:
         for n, case in enumerate(args.cases.split(",")):
             if not case.endswith("_unchanged"):  # else the spoiled sync sends the weights of the last one (as a
                 step(eng, n + 1, shake=shake)  # step does that changes nothing: zero advantages and no momentum yet)
-            old = str(sync.path(version.value)) if args.sync == "disk" else None
+            old = str(sync.transport.path(version.value)) if args.sync == "disk" else None
             tamper.set(case.removesuffix("_unchanged"), bucket=2, old_dir=old)
             tamper.log.clear()
             del lines.lines[:]

@@ -1,4 +1,4 @@
-"""One trainer rank and two embedded servers: drive DistributedWeightSync through one case, write JSON.
+"""One trainer rank and two embedded servers: drive distributed_sync through one case, write JSON.
 
     inflight    long requests are in flight when the weights change: they are aborted, resumed, and
                 finish with versions spanning the update. Server 0 mirrors SGLang 0.5.20 (no weight-update
@@ -23,7 +23,7 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.trainer.model import build_model
 from mega_async.trainer.parallel import destroy_parallel_state
-from mega_async.trainer.sync import DistributedWeightSync, RolloutSide, SyncError
+from mega_async.trainer.sync import distributed_sync, RolloutSide, SyncError
 from mega_async.api.types import ModelRequest, WeightVersion
 
 PROBE = [3, 14, 15, 92, 65, 35]
@@ -60,14 +60,14 @@ def main() -> None:
         addresses = [a for f in starting for a in f.result()]
         version = WeightVersion()
         client = SGLangClient(addresses, version=version, health_check_interval=0.2)
-        sync = DistributedWeightSync(models, version, RolloutSide(client), addresses, bucket_bytes=64 << 10,
+        sync = distributed_sync(models, version, RolloutSide(client), addresses, bucket_bytes=64 << 10,
                                      timeout=20)
         result["before"] = [probe(client, i) for i in range(2)]
         with torch.no_grad():  # a "training step": the new version differs
             for p in models[0].parameters():
                 p.add_(0.05 * torch.randn_like(p))
         if args.case == "kill":
-            buckets = sync.resharder.buckets
+            buckets = sync.transport.resharder.buckets
 
             def killing():
                 for k, b in enumerate(buckets()):
@@ -75,7 +75,7 @@ def main() -> None:
                         launchers[1].kill(0)
                     yield b
 
-            sync.resharder.buckets = killing
+            sync.transport.resharder.buckets = killing
         responses: list = []
         if args.case == "inflight":  # a session left open on the 0.5.23 server by a trainer that died mid-sync
             result["stale_begin"] = asyncio.run(client._request("POST", client.servers[1], "/begin_weight_update",
@@ -113,8 +113,8 @@ def main() -> None:
         result["end_probe"] = {i: list(asyncio.run(client._request("POST", client.servers[i], "/end_weight_update",
                                                                     {}))) for i in live}
         if args.case == "inflight" and result["error"] is None:
-            sync._begin = lambda target: None  # a trainer written for SGLang < 0.5.21
-            sync.resharder.bucket_bytes = 1 << 30  # one bucket, larger than the sockets' buffers
+            sync.transport.begin = lambda target: None  # a trainer written for SGLang < 0.5.21
+            sync.transport.resharder.bucket_bytes = 1 << 30  # one bucket, larger than the sockets' buffers
             with torch.no_grad():
                 for p in models[0].parameters():
                     p.add_(0.05 * torch.randn_like(p))

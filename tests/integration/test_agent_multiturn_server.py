@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from mega_async.inference.client import SGLangClient
 from mega_async.rollout.agent import AgentWorkflow
 from mega_async.rollout.workflow import MultiTurnWorkflow
-from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.trainer.sync import reload_sync, RolloutSide
 from mega_async.api.types import WeightVersion
 
 from .conftest import post, ref_logprobs, run
@@ -43,7 +43,7 @@ def test_agent_against_the_server_through_a_weight_update(server, hf_models, wei
     tok = AutoTokenizer.from_pretrained(CARD)
     version = WeightVersion()
     client = SGLangClient(server.addresses, version=version.view())
-    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"))
+    sync = reload_sync(version, RolloutSide(client), str(weights_root / "v1"))
     started = asyncio.Event()
 
     async def agent(oai: openai.AsyncOpenAI, data):

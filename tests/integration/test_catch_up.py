@@ -1,5 +1,5 @@
 """A server restarted after kill -9 under the distributed sync, when it is the only server: the trainer brings it to
-the current version itself (DistributedWeightSync.catch_up, run while rank 0 waits for the step's groups), and the
+the current version itself (distributed_sync.catch_up, run while rank 0 waits for the step's groups), and the
 batch is generated at that version. Before, the run waited for groups no server could generate and stopped after
 inference.unhealthy_timeout ("behind the synced weight version"). On the embedded server (default suite) and on
 the real SGLang engine (tests/integration/test_sglang_cpu.py's kill test, the whole run): the gap was in the sync

@@ -9,7 +9,7 @@ from mega_async.inference.client import NoHealthyServerError, SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec, server_command
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.workflow import GroupWorkflow, RLVRWorkflow
-from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.trainer.sync import reload_sync, RolloutSide
 from mega_async.api.types import ModelRequest, WeightVersion
 
 from .conftest import get, post, run
@@ -117,7 +117,7 @@ def test_rollout_core_against_embedded_servers(weights_root, tmp_path):
         eta, B = 1, 4
         seen_versions = set()
         with WorkflowExecutor(client, wf, consumer_batch_size=B, max_staleness=eta, version=version.view()) as ex:
-            sync = ReloadWeightSync(version, RolloutSide(client, ex), str(weights_root / "v1"))
+            sync = reload_sync(version, RolloutSide(client, ex), str(weights_root / "v1"))
             try:
                 for step in range(4):
                     batch = ex.prepare_batch(data)
@@ -127,7 +127,7 @@ def test_rollout_core_against_embedded_servers(weights_root, tmp_path):
                         seen_versions.update(out_v.tolist())
                         lp = g["logprobs"][g["loss_mask"].bool()]
                         assert lp.lt(0).all(), lp[lp >= 0]
-                    sync.path = str(weights_root / ("v1" if (step + 1) % 2 else "v0"))  # the servers alternate
+                    sync.transport.path = str(weights_root / ("v1" if (step + 1) % 2 else "v0"))  # the servers alternate
                     sync.push()
             finally:
                 sync.close()

@@ -1,6 +1,6 @@
 """Rollout fault tolerance at scale on the simulated fleet: 10% of 64 servers crash at random moments of a run
 and come back as new processes with their launch weights. The real client, executor, ledger and
-DistributedWeightSync(data_plane="none") go on: no episode lost or trained twice, every consumed token labelled
+distributed_sync(data_plane="none") go on: no episode lost or trained twice, every consumed token labelled
 with the version that made it and within max_staleness, the crashed servers rejoin the weight-update group and
 end at the run's version."""
 import json

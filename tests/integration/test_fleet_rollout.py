@@ -12,23 +12,24 @@ from mega_async.inference.client import SGLangClient
 from mega_async.inference.sim.fleet import Fleet, FleetConfig
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.workflow import RLVRWorkflow
-from mega_async.trainer.sync import RolloutSide, WeightSync
+from mega_async.trainer.sync import RolloutSide, Transport, WeightSync
 from mega_async.api.types import ModelRequest, WeightVersion
 
 ETA, B = 2, 48
 
 
-class ControlPlaneSync(WeightSync):
+class ControlPlane(Transport):
     """The distributed sync's control messages (session, one bucket, commit, end), no broadcast."""
 
-    def _update(self, target):
-        c, t = self.rollout.client, self.timeout
-        self._loop.run(c.begin_weight_update(timeout=t), t)
-        self._loop.run(c.update_weights_from_distributed(["w"], ["bfloat16"], [[8, 8]], "g", timeout=t,
-                                                         load_format="flattened_bucket", flush_cache=False), t)
-        self._loop.run(c.update_weights_from_distributed([], [], [], "g", version=target, timeout=t,
-                                                         flush_cache=self.flush_cache), t)
-        self._loop.run(c.end_weight_update(timeout=t), t)
+    def update(self, target):
+        ctx = self.ctx
+        c, t = ctx.rollout.client, ctx.timeout
+        ctx.loop.run(c.begin_weight_update(timeout=t), t)
+        ctx.loop.run(c.update_weights_from_distributed(["w"], ["bfloat16"], [[8, 8]], "g", timeout=t,
+                                                       load_format="flattened_bucket", flush_cache=False), t)
+        ctx.loop.run(c.update_weights_from_distributed([], [], [], "g", version=target, timeout=t,
+                                                       flush_cache=ctx.flush_cache), t)
+        ctx.loop.run(c.end_weight_update(timeout=t), t)
 
 
 class Tagged(RLVRWorkflow):
@@ -69,7 +70,7 @@ def test_episodes_across_syncs_keep_their_versions(fleet, interrupt):
     client = SGLangClient(fleet.addresses, version=version)
     ex = WorkflowExecutor(client, Tagged(one_reward, max_new_tokens=120, stop_token_ids=[2]), consumer_batch_size=B,
                           max_staleness=ETA, version=version)
-    sync = ControlPlaneSync([], version, RolloutSide(client, ex), timeout=30, interrupt=interrupt)
+    sync = WeightSync([], version, RolloutSide(client, ex), ControlPlane(), timeout=30, interrupt=interrupt)
     sync._loop.run(client.init_weights_update_group("127.0.0.1", 1, "g", timeout=30), 30)
     for i in (0, 1):  # two servers 4x slower: long episodes, likely in flight at a sync
         fleet.fail(i, "slow", factor=4.0)
@@ -479,22 +480,22 @@ def test_push_is_done_again_while_servers_keep_going_down_and_then_gives_up(flee
     client = SGLangClient(fleet.addresses, version=version, health_check_interval=0.05, retry_backoff=0.01)
     crash_on = {1: 1, 2: 2}  # attempt -> the server that crashes during it
 
-    class Crashing(ControlPlaneSync):
+    class Crashing(ControlPlane):
         attempts = 0
 
-        def _membership(self):  # as the distributed sync: the group is built again over the servers up now
-            c = self.rollout.client
-            self._loop.run(c.destroy_weights_update_group("g"), 30)
-            self._loop.run(c.init_weights_update_group("127.0.0.1", 1, "g", timeout=30,
-                                                       addresses=[s.address for s in c.sync_targets()]), 30)
+        def members(self):  # as the distributed sync: the group is built again over the servers up now
+            c = self.ctx.rollout.client
+            self.ctx.loop.run(c.destroy_weights_update_group("g"), 30)
+            self.ctx.loop.run(c.init_weights_update_group("127.0.0.1", 1, "g", timeout=30,
+                                                          addresses=[s.address for s in c.sync_targets()]), 30)
 
-        def _update(self, target):
+        def update(self, target):
             Crashing.attempts += 1
             if Crashing.attempts in crash_on:
                 fleet.fail(crash_on[Crashing.attempts], "crash")
-            super()._update(target)
+            super().update(target)
 
-    sync = Crashing([], version, RolloutSide(client, None), timeout=30)
+    sync = WeightSync([], version, RolloutSide(client, None), Crashing(), timeout=30)
     try:
         sync.push()
         assert Crashing.attempts == 3 and version.value == 1

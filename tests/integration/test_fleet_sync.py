@@ -1,4 +1,4 @@
-"""DistributedWeightSync(data_plane="none") over a simulated fleet: the sync's control plane runs for real (the
+"""distributed_sync(data_plane="none") over a simulated fleet: the sync's control plane runs for real (the
 benchmark seam of tools/bench_scale.py), no tensor moves, and it refuses servers that have a data plane."""
 import json
 import os

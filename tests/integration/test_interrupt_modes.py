@@ -9,7 +9,7 @@ import time
 import pytest
 
 from mega_async.inference.client import SGLangClient
-from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.trainer.sync import reload_sync, RolloutSide
 from mega_async.api.types import ModelRequest, WeightVersion
 
 from .conftest import get, post
@@ -22,7 +22,7 @@ def test_interrupt_mode(server, weights_root, mode):
     addr = server.addresses[0]
     version = WeightVersion()
     client = SGLangClient([addr], version=version)
-    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"), timeout=120, interrupt=mode)
+    sync = reload_sync(version, RolloutSide(client), str(weights_root / "v1"), timeout=120, interrupt=mode)
     reqs = [ModelRequest(input_ids=[3, 14, 15 + i], max_new_tokens=160, ignore_eos=True) for i in range(4)]
     out: dict = {}
 

@@ -9,7 +9,7 @@ import torch
 from mega_async.inference.client import SGLangClient
 from mega_async.inference.servers import ServerLauncher, ServerSpec
 from mega_async.rollout.workflow import trajectory_from_response
-from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.trainer.sync import reload_sync, RolloutSide
 from mega_async.api.types import ModelRequest, WeightVersion
 
 PROMPT = [5, 17, 300, 42, 7, 99]
@@ -62,10 +62,10 @@ def test_interrupted_request_keeps_each_tokens_routes(routed_server, hf_models, 
     abort-mode pause takes; deterministic here): rows before the switch keep v0's routes, the rest are v1's."""
     version = WeightVersion()
     client = SGLangClient(routed_server.addresses, version=version.view())
-    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"))
+    sync = reload_sync(version, RolloutSide(client), str(weights_root / "v1"))
 
     async def update(v: int) -> None:  # the sync's pause bracket around loading v{v % 2} at version v
-        sync.path = str(weights_root / f"v{v % 2}")
+        sync.transport.path = str(weights_root / f"v{v % 2}")
         await asyncio.to_thread(sync.push)
         assert version.value == v
 

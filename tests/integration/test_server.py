@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from mega_async.inference.client import SGLangClient
 from mega_async.utils.comm import free_port
-from mega_async.trainer.sync import ReloadWeightSync, RolloutSide
+from mega_async.trainer.sync import reload_sync, RolloutSide
 from mega_async.api.types import ModelRequest, ModelResponse, WeightVersion
 
 from .conftest import get, greedy_ok, post, ref_logprobs, run
@@ -271,7 +271,7 @@ def test_pause_abort_update_continue_resubmits(server, hf_models, weights_root):
     addr = server.addresses[0]
     version = WeightVersion()
     client = SGLangClient([addr], version=version.view())
-    sync = ReloadWeightSync(version, RolloutSide(client), str(weights_root / "v1"))
+    sync = reload_sync(version, RolloutSide(client), str(weights_root / "v1"))
 
     async def main():
         # 500 tokens: still decoding 0.7 s in on a machine several times faster than CI's (1,500 took ~50 s here)

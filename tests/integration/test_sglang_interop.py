@@ -7,7 +7,7 @@ weight updater, TP worker and model runner WeightUpdater (init_custom_process_gr
 FlattenedTensorBucket); only CUDA-only imports are stubbed (sglang_stubs.py). The model that receives is ours
 (HF-named tensors of the tiny Qwen3-MoE card, loaded by name with SGLang's default_weight_loader): the receive
 path is SGLang's. Megatron trainers at TP1 and TP2 (torchrun, one launch per layout covering every receiver and
-both load formats) push through DistributedWeightSync and SGLangClient; the receiving model must end with
+both load formats) push through distributed_sync and SGLangClient; the receiving model must end with
 exactly the trainer's weights, at the version the trainer set.
 
 If a release cannot be installed the test fails (it needs PyPI once; the cache is reused): it never skips.

@@ -449,7 +449,7 @@ def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
     from mega_async.inference.client import SGLangClient
     from unittest.mock import ANY
 
-    from mega_async.trainer.sync import RolloutSide, WeightSync
+    from mega_async.trainer.sync import ReloadTransport, RolloutSide, WeightSync
     from mega_async.trainer.sync.verify import _unchanged_verdict
     from mega_async.api.types import WeightVersion
 
@@ -467,7 +467,8 @@ def test_weights_checker_and_checksum_verify(server, hf_models, weights_root):
     assert post(addr, "/weights_checker", {"action": "compare"})[0] == 200
     assert post(addr, "/weights_checker", {"action": "bogus"})[0] == 400
 
-    sync = WeightSync([], WeightVersion(), RolloutSide(SGLangClient([addr])), timeout=60, verify_method="checksum")
+    sync = WeightSync([], WeightVersion(), RolloutSide(SGLangClient([addr])), ReloadTransport(str(weights_root / "v1")),
+                      timeout=60, verify_method="checksum")
     verifier = sync.verifier  # the sync's verifier, asked as rank 0 asks it: (replies, unchanged, verdict)
     try:
         assert verifier._auto_method() == "checksum"  # the embedded server hashes what it holds: the exact digest

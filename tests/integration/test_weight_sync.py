@@ -1,4 +1,4 @@
-"""DistributedWeightSync against real embedded servers (one trainer rank, gloo): an update while requests
+"""distributed_sync against real embedded servers (one trainer rank, gloo): an update while requests
 are in flight; a server answering 400 in the middle of the buckets; a server killed during a sync. After
 a failed sync every live server serves its old weights, continued, at the old version."""
 import json

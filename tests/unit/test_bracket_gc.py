@@ -5,18 +5,17 @@ import gc
 import pytest
 
 from mega_async.inference.sim.simulated import SimulatedEngine
-from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
+from mega_async.trainer.sync import RolloutSide, SyncError, Transport, WeightSync
 from mega_async.api.types import WeightVersion
 
 
-class Probe(WeightSync):
-    expects_new_weights = False
+class Probe(Transport):
+    sends_new_weights = False
 
-    def __init__(self, *a, fail=False, **kw):
-        super().__init__(*a, **kw)
+    def __init__(self, fail=False):
         self.fail, self.seen = fail, []
 
-    def _update(self, target):
+    def update(self, target):
         self.seen.append(gc.isenabled())
         return "the servers refused it" if self.fail else None
 
@@ -31,17 +30,18 @@ def gc_state():
 def test_the_collector_is_off_inside_the_bracket_and_back_after(gc_state):
     gc.enable()
     version = WeightVersion()
-    sync = Probe([], version, RolloutSide(SimulatedEngine(version=version)), timeout=10)
+    probe, bad = Probe(), Probe(fail=True)
+    sync = WeightSync([], version, RolloutSide(SimulatedEngine(version=version)), probe, timeout=10)
     try:
         sync.push()
-        assert sync.seen == [False] and gc.isenabled() and version.value == 1
-        failing = Probe([], version, RolloutSide(SimulatedEngine(version=version)), timeout=10, fail=True)
+        assert probe.seen == [False] and gc.isenabled() and version.value == 1
+        failing = WeightSync([], version, RolloutSide(SimulatedEngine(version=version)), bad, timeout=10)
         try:
             with pytest.raises(SyncError, match="the servers refused it"):
                 failing.push()
         finally:
             failing.close()
-        assert failing.seen == [False] and gc.isenabled() and version.value == 1
+        assert bad.seen == [False] and gc.isenabled() and version.value == 1
         gc.disable()  # a process that runs without the collector keeps it off
         sync.push()
         assert not gc.isenabled() and version.value == 2

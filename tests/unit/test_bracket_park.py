@@ -7,7 +7,7 @@ import pytest
 from mega_async.inference.sim.simulated import SimulatedEngine
 from mega_async.rollout.executor import WorkflowExecutor
 from mega_async.rollout.runner import AsyncTaskRunner
-from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
+from mega_async.trainer.sync import RolloutSide, SyncError, Transport, WeightSync
 from mega_async.api.types import WeightVersion
 
 
@@ -26,10 +26,10 @@ class Engine(SimulatedEngine):
         return super().pause_generation(mode, timeout)
 
 
-class Sync(WeightSync):
+class NoWeights(Transport):
     sends_new_weights = False
 
-    def _update(self, target):
+    def update(self, target):
         return None
 
 
@@ -40,7 +40,7 @@ def test_the_rollout_loop_sleeps_during_the_pause_calls_and_wakes_after(fail):
     ex = WorkflowExecutor(engine, None, consumer_batch_size=1, max_staleness=1, version=version.view())
     with ex:
         engine.loop = ex._runner._loop
-        sync = Sync([], version, RolloutSide(engine, ex), timeout=10)
+        sync = WeightSync([], version, RolloutSide(engine, ex), NoWeights(), timeout=10)
         try:
             if fail:
                 with pytest.raises(SyncError, match="server 0 unreachable"):

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from mega_async.inference.client import SGLangClient, ServerError, ServerTimeout
 from mega_async.inference.sim.simulated import SimulatedEngine
-from mega_async.trainer.sync import RolloutSide, SyncError, WeightSync
+from mega_async.trainer.sync import RolloutSide, SyncError, Transport, WeightSync
 from mega_async.trainer.sync.common import HttpLoop, PhaseTimeout
 from mega_async.api.types import WeightVersion
 from tests.unit.thread_server import ThreadServer
@@ -138,15 +138,15 @@ class Engine(SimulatedEngine):
         raise TimeoutError()  # a clean-up that fails too must not hide why the sync failed
 
 
-class Sync(WeightSync):
-    expects_new_weights = False
+class NoWeights(Transport):
+    sends_new_weights = False
 
-    def _update(self, target):
+    def update(self, target):
         return None
 
 
 def test_a_failing_continue_does_not_hide_the_syncs_own_error():
-    sync = Sync([], WeightVersion(), RolloutSide(Engine()), timeout=3)
+    sync = WeightSync([], WeightVersion(), RolloutSide(Engine()), NoWeights(), timeout=3)
     try:
         with pytest.raises(SyncError, match=r"failed \(pause: ServerError: http://127\.0\.0\.1:9/pause_generation "
                                             r"gave no answer within 3s\)"):
@@ -210,7 +210,7 @@ class AbortAheadFails(SimulatedEngine):
 def test_a_failed_abort_ahead_of_the_pause_does_not_fail_the_sync(caplog):
     version = WeightVersion()
     engine = AbortAheadFails(version=version)
-    sync = Sync([], version, RolloutSide(engine), timeout=3)
+    sync = WeightSync([], version, RolloutSide(engine), NoWeights(), timeout=3)
     try:
         sync.push()
     finally:

@@ -3,6 +3,10 @@
     push(): [disk: export HF dir] -> pause bracket { [distributed: resharder buckets -> POST + broadcast]
             [disk: servers load the dir] -> version += 1 } -> [verify: probe logprobs equal the trainer's]
 
+The bracket (`WeightSync`) holds a transport (`Transport`: disk.py's directories, distributed.py's broadcast) and
+runs its phases in one runner for a push and for a catch-up; the transport does each phase's work and keeps no
+version of its own.
+
 Three pauses, one bracket (`pause_bracket`), entered in this order and left in reverse in `finally`,
 so no failure leaves anything paused: (1) the executor stops admitting new episodes (running ones go
 on); (2) the client holds every interrupted request instead of resubmitting it; (3) the servers pause
@@ -20,6 +24,7 @@ import contextlib
 import gc
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -58,39 +63,145 @@ def no_gc_pass() -> Iterator[None]:
             gc.enable()
 
 
-class WeightSync:
-    """Common part of both modes: the version, the pause bracket, the phase chain; it holds rank 0's `ServerCalls`
-    (`servers`, None on the other ranks) and the `Verifier`. Subclasses (the transports) send the weights
-    (`_update`) and may take part in the other phases through the hooks below."""
+@dataclass
+class SyncContext:
+    """What the bracket shares with its transport, on every rank. `rollout` and `servers` (rank 0's HTTP side) are
+    None on the other ranks, which hear rank 0's decisions through `decide`."""
+
+    models: list
+    version: WeightVersion  # read by the transport; only the bracket sets it
+    rollout: Optional[RolloutSide]
+    servers: Optional[ServerCalls]
+    loop: HttpLoop
+    group: Any  # for the small agreements between ranks (a gloo group with a long timeout)
+    timeout: float
+    flush_cache: bool  # SGLang 0.5.21+ fails an update whose flush finds requests (interrupt=in_place keeps them)
+    events: Any
+
+    def decide(self, decision: Callable[[], Any]) -> Any:
+        """One decision: rank 0 makes it from the servers' answers (`decision()`), every rank gets it."""
+        return from_rank0(decision() if self.servers is not None else None, self.group)
+
+
+class Transport:
+    """How the weights travel to the servers. The bracket calls, on every rank: `open` once; per push `members`,
+    then the phases 1. `prepare` (before the pause) 2. `begin` 3. `update` 4. `commit` 5. `end` (inside it, each
+    agreed across ranks; a phase returns this rank's error or None), and on a failure `abort`, `rollback`,
+    `end_quietly`, `after_failure`; `close` at the end. A transport that `catches_up` brings a server that came back
+    behind to the current weights between steps (`due`, `settle`, `rebuild`)."""
 
     sends_new_weights = True  # every push sends weights that differ from the last (a training step ran)
-    catches_up = False  # the trainer brings a server that came back behind up to date (`catch_up`, between steps)
+    catches_up = False
+    fp8_block: Optional[tuple[int, int]] = None  # FP8 block quantization on the way (the verifier must know)
+    ctx: SyncContext
+
+    def open(self, ctx: SyncContext) -> None:
+        """Every rank, once: the shared parts; a transport builds what it needs (raises SyncError, cleaned up)."""
+        self.ctx = ctx
+        self.figures: dict[str, float] = {}  # the last push's own figures (bytes, buckets, export_s, ...)
+
+    def members(self) -> None:
+        """Before a push (every rank): the distributed transport rebuilds its group when the servers changed."""
+
+    def prepare(self, target: int) -> None:
+        """1. Work done before the pause (disk: write the checkpoint)."""
+
+    def begin(self, target: int) -> Optional[str]:
+        """2. Inside the bracket, before any weight moves (distributed: open the servers' weight-update sessions)."""
+        return None
+
+    def update(self, target: int) -> Optional[str]:
+        """3. Send the weights."""
+        raise NotImplementedError
+
+    def commit(self, target: int) -> Optional[str]:
+        """4. After every rank succeeded (distributed: the version is set on the servers only now)."""
+        return None
+
+    def end(self, target: int) -> Optional[str]:
+        """5. After the commit (distributed: close the sessions; SGLang finalizes the load there)."""
+        return None
+
+    def abort(self) -> None:
+        """Right after a failure, before the rollback (distributed: drop this rank's side of the group)."""
+
+    def rollback(self, targets: Sequence[str]) -> Optional[str]:
+        """Rank 0 asks the servers `targets` to drop this sync; returns what went wrong (None: all rolled back)."""
+        return self.ctx.servers.rollback(targets) if self.ctx.servers is not None else None
+
+    def end_quietly(self) -> None:
+        """On every failure path, after the rollback: close whatever session is still open; never raises."""
+
+    def after_failure(self) -> None:
+        """Clean-up after a failed sync (distributed: the groups may be broken)."""
+
+    @contextlib.contextmanager
+    def pushing(self) -> Iterator[None]:
+        """Around a whole push, its retries included (disk: a server back meanwhile waits for it)."""
+        yield
+
+    def after_push(self) -> None:
+        """After a successful push (disk: the old versions' directories go)."""
+
+    def waiting(self) -> bool:
+        """Rank 0: a server waits to be caught up (asks nothing, changes nothing)."""
+        return False
+
+    def due(self) -> Optional[list[str]]:
+        """Rank 0: the servers to catch up now (those waiting that no longer need it are let go)."""
+        return None
+
+    def settle(self, addresses: Optional[Sequence[str]] = None) -> None:
+        """Rank 0: the servers `addresses` (None: all) stop waiting to be caught up."""
+
+    def rebuild(self, addresses: list[str]) -> None:
+        """Every rank: the weight path over exactly `addresses` (a catch-up's own group)."""
+
+    def close(self) -> None:
+        """Every rank, at the end."""
+
+
+class WeightSync:
+    """The one owner of the weight version and of the pause bracket; runs its transport's phases (`push`, and
+    `catch_up` for a transport that catches up) and its `Verifier`'s check after each push. Rank 0 holds the
+    servers' HTTP side (`servers`, None on the other ranks)."""
 
     def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
-                 *, timeout: float = 300.0, verify: Optional[Callable[[dict], torch.Tensor]] = None,
-                 verify_tol: float = 1e-4, temperature: float = 1.0, group: Any = None, events: Any = None,
-                 verify_method: str = "auto", interrupt: str = "abort"):
-        self.events = events if events is not None else NullEventLog()  # phases on the run's timeline
-        self.models = list(models)
-        self.group = group  # for the small agreements between ranks (a gloo group with a long timeout)
-        self.version = version
-        self.rollout = rollout if rank() == 0 else None
-        self.timeout = timeout
+                 transport: Transport, *, timeout: float = 300.0,
+                 verify: Optional[Callable[[dict], torch.Tensor]] = None, verify_tol: float = 1e-4,
+                 temperature: float = 1.0, group: Any = None, events: Any = None, verify_method: str = "auto",
+                 interrupt: str = "abort"):
         if interrupt not in INTERRUPT_MODES:
             raise ValueError(f"interrupt={interrupt!r}: use one of {INTERRUPT_MODES}")
         self.interrupt = interrupt
-        self.flush_cache = interrupt != "in_place"  # SGLang 0.5.21+ fails an update whose flush finds requests
-        self.fp8_block: Optional[tuple[int, int]] = None  # FP8 block quantization on the way (disk, distributed)
-        self._targets: list[str] = []  # rank 0: the servers of the current (or last) push
+        self.events = events if events is not None else NullEventLog()  # phases on the run's timeline
+        self.models = list(models)
+        self.group = group
+        self.version = version
+        self.rollout = rollout if rank() == 0 else None
+        self.timeout = timeout
         self._loop = HttpLoop()
         self.servers = ServerCalls(self.rollout, self._loop, timeout) if self.rollout is not None else None
+        self.ctx = SyncContext(self.models, version, self.rollout, self.servers, self._loop, group, timeout,
+                               flush_cache=interrupt != "in_place", events=self.events)
+        self._targets: list[str] = []  # rank 0: the servers of the current (or last) push
+        self.last: dict[str, float] = {}
+        self.transport = transport
+        try:
+            transport.open(self.ctx)
+        except BaseException:
+            self._loop.close()
+            raise
         self.verifier = Verifier(self.models, self.servers, group=group, method=verify_method, tol=verify_tol,
                                  temperature=temperature, logprobs=verify)
-        self.last: dict[str, float] = {}
+
+    @property
+    def catches_up(self) -> bool:
+        """The transport brings a server that came back behind up to date (`catch_up`, between steps)."""
+        return self.transport.catches_up
 
     def _from_rank0(self, decide: Callable[[], Any]) -> Any:
-        """One decision: rank 0 makes it from the servers' answers (`decide()`), every rank gets it."""
-        return from_rank0(decide() if self.servers is not None else None, self.group)
+        return self.ctx.decide(decide)
 
     # ---- the bracket -------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -154,35 +265,35 @@ class WeightSync:
         any other failure is raised at once."""
         start = self.version.value
         first: Optional[SyncError] = None  # the failure that took the first server out: said with any later one
-        for attempt in range(1, PUSH_ATTEMPTS + 1):
-            try:
-                return self._push_once(probe=attempt == 1)  # a retry does not wait on the server it just lost
-            except SyncError as e:
-                if first is not None and str(first) not in str(e):
-                    e = SyncError(f"{e} (after an earlier attempt: {first})")
-                first = first or e
-                if self.version.value != start or attempt == PUSH_ATTEMPTS:  # committed (a verify failed after
-                    raise e                                                   # it), or out of attempts
-                lost = self._from_rank0(lambda: self.servers.lost(self._targets))
-                if not lost:
-                    raise e
-                if self.rollout is not None:
-                    logger.warning("weight sync failed while server(s) %s went down or hung (%s); syncing again "
-                                   "without them (attempt %d of %d)", ", ".join(lost), str(e)[:600], attempt + 1,
-                                   PUSH_ATTEMPTS)
-        raise AssertionError("unreachable")
-
-    def _membership(self) -> None:
-        """Before a push (every rank): the distributed sync rebuilds its group when the servers changed."""
+        with self.transport.pushing():
+            for attempt in range(1, PUSH_ATTEMPTS + 1):
+                try:
+                    out = self._push_once(probe=attempt == 1)  # a retry does not wait on the server it just lost
+                    break
+                except SyncError as e:
+                    if first is not None and str(first) not in str(e):
+                        e = SyncError(f"{e} (after an earlier attempt: {first})")
+                    first = first or e
+                    if self.version.value != start or attempt == PUSH_ATTEMPTS:  # committed (a verify failed after
+                        raise e                                                   # it), or out of attempts
+                    lost = self._from_rank0(lambda: self.servers.lost(self._targets))
+                    if not lost:
+                        raise e
+                    if self.servers is not None:
+                        logger.warning("weight sync failed while server(s) %s went down or hung (%s); syncing again "
+                                       "without them (attempt %d of %d)", ", ".join(lost), str(e)[:600], attempt + 1,
+                                       PUSH_ATTEMPTS)
+        self.transport.after_push()
+        return out
 
     def _push_once(self, probe: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         target = self.version.value + 1
         if self.servers is not None:
             self._targets = self.servers.targets(probe=probe)
-        self._membership()
+        self.transport.members()
         with self.events.span("sync", phase="prepare", version=target):
-            errors = agree(self._guarded(self._prepare, target, "prepare"), self.group)  # disk: export
+            errors = agree(self._guarded(self.transport.prepare, target, "prepare"), self.group)  # disk: export
         rolled = None
         with contextlib.ExitStack() as stack:
             if not errors:  # the same on every rank: they agreed
@@ -197,24 +308,24 @@ class WeightSync:
                 try:
                     errors = self._run_phases(target)
                 except BaseException:  # Ctrl-C / SIGTERM mid-sync: drop what the servers got, then continue
-                    self._abort()
-                    self._rollback()
-                    self._end_quietly()
+                    self.transport.abort()
+                    self.transport.rollback(self._targets)
+                    self.transport.end_quietly()
                     raise
                 if errors:
-                    self._abort()  # a receive still waiting on a broken group fails now instead of at its timeout
-                    rolled = self._rollback()  # still inside the bracket: servers drop this sync, then continue
-                    self._end_quietly()  # no server is left with a weight-update session open
+                    self.transport.abort()  # a receive still waiting on a broken group fails now, not at its timeout
+                    rolled = self.transport.rollback(self._targets)  # inside the bracket: servers drop this sync
+                    self.transport.end_quietly()  # no server is left with a weight-update session open
                 elif self.rollout is not None:
                     self.version.set(target)
                     self.rollout.client.synced(target)  # servers are admitted at this version now
         if errors:
-            self._after_failure()
+            self.transport.after_failure()
             agree(None, self.group)  # no rank leaves before rank 0 has rolled back and continued the servers
             raise SyncError(f"weight sync to version {target} failed ({'; '.join(errors)}); "
                             + (rolled or f"the servers keep version {self.version.value}"))
         self.version.set(from_rank0(self.version.value, self.group))  # every rank's copy follows rank 0's
-        self.last = {**self.last, "sync/push_s": time.perf_counter() - t0}
+        self.last = {**self.transport.figures, "sync/push_s": time.perf_counter() - t0}
         if self.verifier.enabled:
             t1 = time.perf_counter()
             self.verify()
@@ -223,11 +334,11 @@ class WeightSync:
 
     def verify(self, expect_change: Optional[bool] = None) -> float:
         """The verifier's check of the last push's servers at the current version (every rank); its figures go into
-        `last`. `expect_change`: the push sent weights that differ from the last (default: `sends_new_weights`).
-        Returns the largest difference found (0 for the exact digest); raises SyncError."""
-        figures = self.verifier.check(self.version.value, self._targets,
-                                      expect_change=self.sends_new_weights if expect_change is None else expect_change,
-                                      fp8_block=self.fp8_block)
+        `last`. `expect_change`: the push sent weights that differ from the last (default: the transport's
+        `sends_new_weights`). Returns the largest difference found (0 for the exact digest); raises SyncError."""
+        change = self.transport.sends_new_weights if expect_change is None else expect_change
+        figures = self.verifier.check(self.version.value, self._targets, expect_change=change,
+                                      fp8_block=self.transport.fp8_block)
         self.last.update(figures)
         return figures["sync/verify_max_abs_diff"]
 
@@ -236,8 +347,9 @@ class WeightSync:
         failure ends it): 1. begin: open the servers' weight-update sessions (SGLang 0.5.21+); 2. update: send the
         weights; 3. commit: the version on the servers (distributed); 4. end: close the sessions (SGLang finalizes
         the load). Returns the agreed errors ([] when every phase succeeded everywhere)."""
-        for phase, fn in (("begin_weight_update", self._begin), ("update", self._update), ("commit", self._commit),
-                          ("end_weight_update", self._end)):
+        t = self.transport
+        for phase, fn in (("begin_weight_update", t.begin), ("update", t.update), ("commit", t.commit),
+                          ("end_weight_update", t.end)):
             span = self.events.span("sync", phase="update", version=target) if phase == "update" and span_update \
                 else contextlib.nullcontext()
             with span:
@@ -255,46 +367,58 @@ class WeightSync:
             error = f"{type(e).__name__}: {e}"
         return f"{phase}: {error}" if error and not error.startswith(f"{phase}: ") else error
 
-    def _commit(self, target: int) -> Optional[str]:
-        """After every rank succeeded (distributed: the version is set on the servers only now)."""
-        return None
-
     # ---- catching up a server that came back behind --------------------------------------------
     def catch_up_due(self) -> bool:
         """Rank 0: a server waits for the trainer to bring it to the current weights (`catch_up`)."""
-        return False
+        return self.transport.catches_up and self.transport.waiting()
 
     def catch_up(self) -> None:
-        """Every rank, between two steps: the current version's weights to the servers that came back behind."""
+        """Every rank, between two steps: the servers that came back behind get the current version's weights over
+        a weight path of their own (no pause: they generate nothing; the others go on), committed at the current
+        version, then verified as a push is (`trainer.verify_sync`). A failure is logged, not raised: the server
+        stays out and asks again when probed next. The next push builds the group over every server."""
+        if not self.transport.catches_up:
+            return
+        due = self._from_rank0(self.transport.due)
+        if not due:
+            return
+        v, t0, last = self.version.value, time.perf_counter(), self.last
+        if self.servers is not None:
+            logger.warning("bringing server(s) %s to weight version %d (back behind it)", ", ".join(due), v)
+            self._targets = list(due)
+        with self.events.span("sync", phase="catch_up", version=v):
+            errors = self._send_current(due, v)
+            if not errors and self.verifier.enabled:
+                try:  # their weights equal the trainer's though unchanged since the last push; the other servers'
+                    with self.verifier.keeping_checksums():  # checksums stay for the next push's check
+                        self.verify(expect_change=False)
+                except SyncError as e:
+                    errors = [str(e)]
+        self.last = last  # the step's own sync figures, not these
+        if self.servers is not None:
+            self.transport.settle(due)
+            if errors:
+                logger.warning("bringing server(s) %s to weight version %d failed (they stay out and ask again): %s",
+                               ", ".join(due), v, "; ".join(errors)[:600])
+            else:
+                logger.info("server(s) %s now at weight version %d (%.2fs)", ", ".join(due), v,
+                            time.perf_counter() - t0)
 
-    # ---- hooks -------------------------------------------------------------------------------
-    def _prepare(self, target: int) -> None:
-        """Work done before the pause (disk: write the checkpoint)."""
-
-    def _update(self, target: int) -> Optional[str]:
-        """Send the weights inside the bracket; returns this rank's error, or None."""
-        raise NotImplementedError
-
-    def _rollback(self) -> Optional[str]:
-        """Rank 0 asks the servers to drop this sync; returns what went wrong (None: every server rolled back)."""
-        return self.servers.rollback(self._targets) if self.servers is not None else None
-
-    def _begin(self, target: int) -> Optional[str]:
-        """Inside the bracket, before any weight moves (distributed: open the servers' weight-update sessions)."""
-        return None
-
-    def _end(self, target: int) -> Optional[str]:
-        """After the commit (distributed: close the sessions; SGLang finalizes the load there)."""
-        return None
-
-    def _end_quietly(self) -> None:
-        """On every failure path, after the rollback: close whatever session is still open; never raises."""
-
-    def _abort(self) -> None:
-        """Right after a failure, before the rollback (distributed: drop this rank's side of the group)."""
-
-    def _after_failure(self) -> None:
-        """Clean-up after a failed sync (distributed: the groups may be broken)."""
+    def _send_current(self, due: list[str], v: int) -> list[str]:
+        """Every rank: the weight path over `due`, then the phases at version `v`. Agreed errors."""
+        try:
+            self.transport.rebuild(due)
+            errors = self._run_phases(v, span_update=False)
+        except SyncError as e:
+            errors = [str(e)]
+        if errors:
+            self.transport.abort()
+            self.transport.end_quietly()
+            self.transport.after_failure()
+        return errors
 
     def close(self) -> None:
-        self._loop.close()
+        try:
+            self.transport.close()
+        finally:
+            self._loop.close()

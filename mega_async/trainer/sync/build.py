@@ -8,8 +8,8 @@ from mega_async.api.config import api_key
 from mega_async.trainer.sync.bracket import WeightSync
 from mega_async.trainer.sync.common import RolloutSide
 from mega_async.utils.comm import from_rank0
-from mega_async.trainer.sync.disk import DiskWeightSync
-from mega_async.trainer.sync.distributed import DistributedWeightSync
+from mega_async.trainer.sync.disk import disk_sync
+from mega_async.trainer.sync.distributed import distributed_sync
 from mega_async.api.types import WeightVersion
 
 
@@ -30,10 +30,10 @@ def make_sync(cfg: Any, engine: Any, version: WeightVersion, service: Any = None
         verify_tol=t.verify_sync_tol, temperature=cfg.rollout.temperature or 1.0, group=group, events=events,
         verify_method=t.verify_sync_method, interrupt=cfg.rollout.interrupt, weight_format=t.sync_weight_format)
     if t.weight_sync == "disk":
-        return DiskWeightSync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
+        return disk_sync(engine.models, version, rollout, cfg.run_dir / "weights", src_dir=cfg.model.path,
                               keep=t.keep_weight_versions, **kw)
     addresses, gpus = from_rank0((service.addresses, service.gpus_per_server) if service is not None else None, group)
-    return DistributedWeightSync(engine.models, version, rollout, addresses, api_key=api_key(cfg),
+    return distributed_sync(engine.models, version, rollout, addresses, api_key=api_key(cfg),
                                  bucket_bytes=t.sync_bucket_bytes, load_format=t.sync_load_format,
                                  backend=t.sync_backend, gpus_per_server=gpus,
                                  master_address=t.sync_master_address, **kw)

@@ -11,24 +11,24 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
 
 from mega_async.inference.client import join_grace
-from mega_async.trainer.sync.bracket import WeightSync
+from mega_async.trainer.sync.bracket import SyncContext, Transport, WeightSync
 from mega_async.trainer.sync.common import (SLACK_S, PhaseTimeout, RolloutSide, SyncError, fp8_block_of,
                                              future_result)
 from mega_async.utils.comm import agree, every_rank, from_rank0, rank
-from mega_async.trainer.sync.verify import aligned_order
+from mega_async.trainer.sync.verify import aligned_order, num_experts_of
 from mega_async.api.types import WeightVersion
 
 logger = logging.getLogger("mega_async.trainer.sync")
 
 
-DATA_PLANES = ("broadcast", "none")  # DistributedWeightSync(data_plane=...): none = the fleet benchmark's seam
+DATA_PLANES = ("broadcast", "none")  # distributed_sync(data_plane=...): none = the fleet benchmark's seam
 NO_DATA_PLANE = object()  # the weight-update "group" of data_plane="none": nothing is joined
 # a bucket that no server answered and whose broadcast has not completed after this many times the slowest bucket so
 # far, and at least STUCK_MIN_S (a loaded 2-core machine stalls a healthy server for seconds), is not being received:
@@ -70,39 +70,37 @@ def _reachable_address(server_addresses: Sequence[str]) -> str:
         return s.getsockname()[0]
 
 
-class DistributedWeightSync(WeightSync):
+class BroadcastTransport(Transport):
     """Weights by torch.distributed broadcast: each pipeline stage head owns a weight-update group with
     every server rank (trainer = rank 0, server i at 1 + its GPUs before it), built as SGLang builds it;
     per bucket it POSTs /update_weights_from_distributed from the HTTP thread, broadcasts, and checks
-    every reply. A server back behind the synced version is brought up to date between steps (`catch_up`)."""
+    every reply. A server back behind the synced version is brought up to date between steps (the bracket's
+    `catch_up`, over a group of its own: `rebuild`)."""
 
     catches_up = True
 
-    def __init__(self, models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
-                 addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
+    def __init__(self, addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
                  load_format: str = "flattened_bucket", backend: Optional[str] = None, gpus_per_server: int = 1,
                  master_address: Optional[str] = None, weight_format: str = "model_dtype",
-                 data_plane: str = "broadcast", **kw: Any):
-        from mega_async.trainer.weights import Resharder
-
+                 data_plane: str = "broadcast"):
         if data_plane not in DATA_PLANES:
             raise ValueError(f"data_plane={data_plane!r}: use broadcast (none: the simulated fleet's control-plane "
                              "benchmark, never a run)")
-        self.data_plane = data_plane  # a constructor seam for tools/bench_scale.py and tests; no config key sets it
-        super().__init__(models, version, rollout, **kw)
-        self.fp8_block = fp8_block_of(models, weight_format)
         if load_format not in ("flattened_bucket", "tensor"):
             raise ValueError(f"load_format={load_format!r}: use flattened_bucket or tensor")
-        self.resharder = Resharder(models, bucket_bytes=bucket_bytes)
+        self.addresses = list(addresses)
+        self.api_key = api_key
+        self.bucket_bytes = bucket_bytes
+        self.data_plane = data_plane  # a constructor seam for tools/bench_scale.py and tests; no config key sets it
         self.load_format = load_format
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.gpus_per_server = gpus_per_server
-        self.group_name = f"mega_async_pp{self.resharder.pp_rank}"
+        self.master_address = master_address
+        self.weight_format = weight_format
         self.client: Any = None
         self.pg: Any = None
         self._init_error: Optional[str] = None
         self._abandoned: list = []  # broadcasts given up on (a server refused): kept alive, never waited for
-        ABANDONED.append(self._abandoned)  # the process's exit must not wait on them (`broadcasts_abandoned`)
         self._fleet_checked: set[str] = set()  # data_plane="none": servers checked to be simulated ones
         self._moved: dict[str, str] = {}  # rank 0's client's moved servers, as rank 0 last sent them
         self._group_on_servers = False  # the servers were told of a group this side has left
@@ -111,88 +109,103 @@ class DistributedWeightSync(WeightSync):
         # rank 0: servers that came back behind, each with the future its recovery waits on (catch_up sets it)
         self._due: dict[str, concurrent.futures.Future] = {}
         self._due_lock = threading.Lock()
+
+    def open(self, ctx: SyncContext) -> None:
+        from mega_async.trainer.weights import Resharder
+
+        super().open(ctx)
+        self.fp8_block = fp8_block_of(ctx.models, self.weight_format)
+        self.num_experts = num_experts_of(ctx.models)
+        self.resharder = Resharder(ctx.models, bucket_bytes=self.bucket_bytes)
+        self.group_name = f"mega_async_pp{self.resharder.pp_rank}"
+        ABANDONED.append(self._abandoned)  # the process's exit must not wait on them (`broadcasts_abandoned`)
+        addresses = self.addresses
         if self.resharder.is_stage_head:
             try:
                 from mega_async.inference.client import SGLangClient
 
                 if not addresses:
                     raise ValueError("no server addresses: the distributed sync needs inference servers")
-                self.client = self.rollout.client if self.rollout is not None else SGLangClient(
-                    list(addresses), api_key=api_key, request_timeout=self.timeout)
-                if self.servers is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
-                    releases = self.servers.releases()
+                self.client = ctx.rollout.client if ctx.rollout is not None else SGLangClient(
+                    list(addresses), api_key=self.api_key, request_timeout=ctx.timeout)
+                if ctx.servers is not None:  # each server's protocol, once (sessions since SGLang 0.5.21)
+                    releases = ctx.servers.releases()
                     logger.info("servers' SGLang releases: %s", ", ".join(
                         f"{a} {r.version or '?'}{' (sessions)' if r.sessions else ''}" if r is not None else
                         f"{a} down (asked before its first update)" for a, r in zip(self.client.addresses, releases)))
-                self._master_address = master_address or _reachable_address(addresses)
-                if self.rollout is not None:  # a server back behind waits for the trainer's catch_up
+                self._master_address = self.master_address or _reachable_address(addresses)
+                if ctx.rollout is not None:  # a server back behind waits for the trainer's catch_up
                     self.client.recover = self._await_catch_up
             except Exception as e:  # noqa: BLE001 - agreed below, so no rank is left waiting
                 self._init_error = f"{type(e).__name__}: {e}"
         # pipeline stages stream one after another: concurrent groups through the same servers could
         # interleave their broadcasts differently on different servers and deadlock (NCCL rings)
         heads = [(self.resharder.pp_rank, rank())] if self.resharder.is_stage_head else []
-        heads = [h for x in every_rank(heads, self.group) for h in x]
+        heads = [h for x in every_rank(heads, ctx.group) for h in x]
         self._stage_heads = dict(heads)
         self._first_group()
 
     def _first_group(self) -> None:
         """Every rank, at construction: rank 0 names the members (the servers up now; one down at start joins a
         later sync) and every stage head builds its group. A member lost meanwhile leaves it to the first push."""
-        early = agree(self._init_error, self.group)  # the client, the releases, the address: no group to build
+        early = agree(self._init_error, self.ctx.group)  # the client, the releases, the address: no group to build
         if early:
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(early))
-        members = self._members_from_rank0([s.address for s in self.client.sync_targets()]
-                                           if self.rollout is not None and self.client is not None else None)
+        members = self._decide_members(lambda: [s.address for s in self.client.sync_targets()])
         if self.resharder.is_stage_head:
             try:
-                if not members and self.rollout is not None:
+                if not members and self.ctx.rollout is not None:
                     raise ValueError("no inference server is up to take the weights; check the servers' logs")
                 self._init_group(self._master_address, members)
             except Exception as e:  # noqa: BLE001 - agreed below
                 self._init_error = f"{type(e).__name__}: {e}"
-        errors = agree(self._init_error, self.group)
-        lost = from_rank0([a for a in members or () if a not in {s.address for s in self.client.sync_targets()}]
-                          if errors and self.rollout is not None and self.client is not None else None, self.group)
+        errors = agree(self._init_error, self.ctx.group)
+        lost = self.ctx.decide(lambda: [a for a in members or () if a not in {
+            s.address for s in self.client.sync_targets()}]) if errors else None
         if errors and lost:  # a member went down while the group was built: the first push builds it again
-            if self.rollout is not None:
+            if self.ctx.rollout is not None:
                 logger.warning("server(s) %s went down while the weight-update group was built; the first push "
                                "builds it again without them", ", ".join(lost))
-            self._abort()
+            self.abort()
             errors = []
         if errors:
             self.close()
             raise SyncError("could not build the weight-update groups: " + "; ".join(errors))
 
-    def _members_from_rank0(self, members: Optional[list[str]]) -> Optional[list[str]]:
-        """Rank 0's group members (None: no group to build) on every rank, with its client's moved servers (first
-        address -> current one), which a later stage head applies before it adopts the members."""
-        moved = dict(getattr(self.client, "moved", {})) if members is not None and self.rollout is not None else {}
-        members, self._moved = from_rank0((members, moved), self.group)
+    def _decide_members(self, decision: Callable[[], Optional[list[str]]]) -> Optional[list[str]]:
+        """One decision: rank 0's group members (`decision()`; None: no group to build) on every rank, with its
+        client's moved servers (first address -> current one), which a later stage head applies before it adopts
+        the members."""
+        def with_moved() -> tuple[Optional[list[str]], dict[str, str]]:
+            members = decision()
+            return members, dict(getattr(self.client, "moved", {})) if members is not None else {}
+
+        members, self._moved = self.ctx.decide(with_moved)
         return members
 
-    def _membership(self) -> None:
+    def members(self) -> None:
         """Every rank, before a push: rank 0 decides whether the weight-update groups must be built again (a
         member is down, a server came back with a new process or behind, or a failed sync dropped the group),
         and every stage head rebuilds its group over the servers to sync now."""
-        want = None
-        if self.rollout is not None:
+        def changed() -> Optional[list[str]]:  # rank 0: the servers to build the groups over, or None
             targets = self.client.sync_targets()
             addrs = [s.address for s in targets]
             if self.pg is None or addrs != self.client.group_members or any(s.rejoin for s in targets):
-                want = addrs
-        want = self._members_from_rank0(want)
+                return addrs
+            return None
+
+        want = self._decide_members(changed)
         if want is None:
             return
         if not want:
             raise SyncError("no inference server is up to take the weights; check the servers' logs")
-        if self.rollout is not None:
+        if self.ctx.rollout is not None:
             logger.warning("weight-update groups built again over %d server(s) (members: %s)", len(want),
                            ", ".join(want))
-        self._rebuild(want)
+        self.rebuild(want)
 
-    def _rebuild(self, want: list[str]) -> None:
+    def rebuild(self, want: list[str]) -> None:
         """Every rank: every stage head builds its weight-update group again over the servers `want`."""
         self._init_error = None
         if self.resharder.is_stage_head:
@@ -201,7 +214,7 @@ class DistributedWeightSync(WeightSync):
                 self._init_group(self._master_address, want)
             except Exception as e:  # noqa: BLE001 - agreed below
                 self._init_error = f"{type(e).__name__}: {e}"
-        errors = agree(self._init_error, self.group)
+        errors = agree(self._init_error, self.ctx.group)
         if errors:
             raise SyncError("could not build the weight-update groups again: " + "; ".join(errors))
 
@@ -218,7 +231,7 @@ class DistributedWeightSync(WeightSync):
                 fut = self._due[address] = concurrent.futures.Future()
         await asyncio.wrap_future(fut)
 
-    def _settle_due(self, addresses: Optional[Sequence[str]] = None) -> None:
+    def settle(self, addresses: Optional[Sequence[str]] = None) -> None:
         """Rank 0: the recoveries waiting on `addresses` (None: all) end; the client probes those servers again
         (admitted at the current version, or behind again: then it asks again)."""
         with self._due_lock:
@@ -227,65 +240,25 @@ class DistributedWeightSync(WeightSync):
                 if not fut.done():
                     fut.set_result(None)
 
-    def catch_up_due(self) -> bool:
+    def waiting(self) -> bool:
         return bool(self._due)
 
-    def catch_up(self) -> None:
-        """Every rank, between two steps: the servers that came back behind get the current version's weights
-        over a weight-update group of their own (no pause: they generate nothing; the others go on), committed at
-        the current version, then verified as a push is (`trainer.verify_sync`). A failure is logged, not raised:
-        the server stays out and asks again when probed next. The next push builds the group over every server."""
-        due = None
-        if self.rollout is not None:
-            with self._due_lock:
-                wanted = list(self._due)
-            behind = {s.address for s in self.client.sync_targets() if s.behind}
-            due = [a for a in wanted if a in behind]
-            self._settle_due([a for a in wanted if a not in behind])  # admitted meanwhile, or down again
-        due = from_rank0(due, self.group)
-        if not due:
-            return
-        v, t0, last = self.version.value, time.perf_counter(), self.last
-        if self.rollout is not None:
-            logger.warning("bringing server(s) %s to weight version %d (back behind it)", ", ".join(due), v)
-            self._targets = list(due)
-        with self.events.span("sync", phase="catch_up", version=v):
-            errors = self._send_current(due, v)
-            if not errors and self.verifier.enabled:
-                try:  # their weights equal the trainer's though unchanged since the last push; the other servers'
-                    with self.verifier.keeping_checksums():  # checksums stay for the next push's check
-                        self.verify(expect_change=False)
-                except SyncError as e:
-                    errors = [str(e)]
-        self.last = last  # the step's own sync figures, not these
-        if self.rollout is not None:
-            self._settle_due(due)
-            if errors:
-                logger.warning("bringing server(s) %s to weight version %d failed (they stay out and ask again): %s",
-                               ", ".join(due), v, "; ".join(errors)[:600])
-            else:
-                logger.info("server(s) %s now at weight version %d (%.2fs)", ", ".join(due), v,
-                            time.perf_counter() - t0)
+    def due(self) -> Optional[list[str]]:
+        """Rank 0: the servers waiting for a catch-up that are still behind (the others are let go: admitted
+        meanwhile, or down again)."""
+        with self._due_lock:
+            wanted = list(self._due)
+        behind = {s.address for s in self.client.sync_targets() if s.behind}
+        self.settle([a for a in wanted if a not in behind])
+        return [a for a in wanted if a in behind]
 
-    def _send_current(self, due: list[str], v: int) -> list[str]:
-        """Every rank: group over `due`, session, buckets, commit at version `v`, session closed. Agreed errors."""
+    @contextlib.contextmanager
+    def pushing(self) -> Iterator[None]:
         try:
-            self._rebuild(due)
-            errors = self._run_phases(v, span_update=False)
-        except SyncError as e:
-            errors = [str(e)]
-        if errors:
-            self._abort()
-            self._end_quietly()
-            self._after_failure()
-        return errors
-
-    def push(self) -> dict[str, float]:
-        try:
-            return super().push()
+            yield
         finally:
-            if self.rollout is not None:  # the servers it included are at its version (or it failed: ask again)
-                self._settle_due()
+            if self.ctx.rollout is not None:  # the servers it included are at its version (or it failed: ask again)
+                self.settle()
 
     def _init_group(self, address: str, addresses: Optional[list[str]] = None) -> None:
         from mega_async.utils.comm import free_port, init_custom_process_group
@@ -295,43 +268,43 @@ class DistributedWeightSync(WeightSync):
         self._broadcasts = 0
         if addresses is None:
             addresses = [s.address for s in self.client.sync_targets()]
-        elif self.rollout is None:  # a later stage's head: rank 0 names the members, one may have moved meanwhile
+        elif self.ctx.rollout is None:  # a later stage's head: rank 0 names the members, one may have moved meanwhile
             self.client.adopt(addresses, moved=self._moved)
         if self.data_plane == "none":
             return self._init_control_plane_only(address, port, addresses)
-        fut = self._loop.submit(self.client.init_weights_update_group(
+        fut = self.ctx.loop.submit(self.client.init_weights_update_group(
             address, port, self.group_name, backend=self.backend, gpus_per_server=self.gpus_per_server,
-            timeout=self.timeout, addresses=addresses))
+            timeout=self.ctx.timeout, addresses=addresses))
         world = 1 + self.gpus_per_server * len(addresses)
         try:
             self.pg = init_custom_process_group(self.backend, f"tcp://{address}:{port}", world, 0, self.group_name,
-                                                timeout=datetime.timedelta(seconds=self.timeout))
-            future_result(fut, self.timeout + SLACK_S, f"the servers joining weight-update group {self.group_name}")
+                                                timeout=datetime.timedelta(seconds=self.ctx.timeout))
+            future_result(fut, self.ctx.timeout + SLACK_S, f"the servers joining weight-update group {self.group_name}")
             logger.info("weight-update group %s: trainer + %d server ranks at %s:%d (%s)", self.group_name,
                         world - 1, address, port, self.backend)
         except Exception as e:  # noqa: BLE001
             self._init_error = f"{self.group_name}: {type(e).__name__}: {e}"
             fut.cancel()
-            self._abort()  # no half-built group: the next push builds one again
+            self.abort()  # no half-built group: the next push builds one again
 
     def _init_control_plane_only(self, address: str, port: int, addresses: Optional[list[str]] = None) -> None:
         """data_plane="none": the servers are told of a group nobody joins and no tensor moves. Only simulated fleet
         servers that say so in /server_info take part (a real server would wait for a broadcast)."""
         unchecked = [a for a in addresses or self.client.addresses if a not in self._fleet_checked]
         if unchecked:  # once per server (a member the first time it joins): the same process kind after
-            infos = self.servers.server_info(unchecked)
+            infos = self.ctx.servers.server_info(unchecked)
             real = [a for a, i in zip(unchecked, infos) if (i.get("fleet") or {}).get("data_plane") != "none"]
             if real:
                 raise ValueError(f"data_plane='none' needs simulated fleet servers without a data plane; {real[0]} "
                                  "has one: use the default data_plane='broadcast'")
             self._fleet_checked.update(unchecked)
-        self.servers.call(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
+        self.ctx.servers.call(self.client.init_weights_update_group(address, port, self.group_name, backend=self.backend,
                                                                 gpus_per_server=self.gpus_per_server,
-                                                                timeout=self.timeout, addresses=addresses),
+                                                                timeout=self.ctx.timeout, addresses=addresses),
                           "/init_weights_update_group")
         self.pg = NO_DATA_PLANE
 
-    def _update(self, target: int) -> Optional[str]:
+    def update(self, target: int) -> Optional[str]:
         """Stream this stage's buckets; bucket k is broadcast and loaded while bucket k+1 is gathered (at most
         two buckets in flight, the next POST only after the previous reply, so servers see them in order)."""
         error: Optional[str] = None
@@ -341,7 +314,7 @@ class DistributedWeightSync(WeightSync):
         turn = rs.is_stage_head and rs.pp_size > 1
         if turn and rs.pp_rank > 0:  # wait for the previous stage; it says whether it failed
             token = torch.zeros(1, dtype=torch.int64)
-            dist.recv(token, src=self._stage_heads[rs.pp_rank - 1], group=self.group)
+            dist.recv(token, src=self._stage_heads[rs.pp_rank - 1], group=self.ctx.group)
             if token.item():
                 error = f"stage {rs.pp_rank - 1} failed first; stage {rs.pp_rank} sent nothing"
         if error is None and rs.is_stage_head and self.pg is None:  # dropped by an earlier failed sync
@@ -352,10 +325,10 @@ class DistributedWeightSync(WeightSync):
         finally:
             if turn and rs.pp_rank < rs.pp_size - 1:
                 token = torch.tensor([1 if error else 0], dtype=torch.int64)
-                dist.send(token, dst=self._stage_heads[rs.pp_rank + 1], group=self.group)
+                dist.send(token, dst=self._stage_heads[rs.pp_rank + 1], group=self.ctx.group)
         stats["gather_s"] = rs.stats.get("gather_s", 0.0)
         stats["total_s"] = time.perf_counter() - t_all
-        self.last = {f"sync/{k}": float(v) for k, v in stats.items()}
+        self.figures = {f"sync/{k}": float(v) for k, v in stats.items()}
         return error
 
     def _stream(self, target: int, stats: dict, error: Optional[str]) -> Optional[str]:
@@ -385,33 +358,33 @@ class DistributedWeightSync(WeightSync):
                 error = f"{pending[-1]}: {type(e).__name__}: {e}"
         return error
 
-    def _commit(self, target: int) -> Optional[str]:
+    def commit(self, target: int) -> Optional[str]:
         """Every stage streamed: an empty update sets the new version on the servers (SGLang sets
         weight_version only on success), so a failed sync never leaves a server claiming the new one. It also
         flushes the cache, once per sync (the buckets do not: the servers are paused in between). A server lost
         since the last bucket (down, or restarted) is left out instead of failing the others."""
-        if self.servers is not None and self.pg is not None:
-            lost = self.servers.call(self.client.commit_distributed(self.group_name, target,
-                                                                    flush_cache=self.flush_cache,
-                                                                    timeout=self.timeout), "commit")
+        if self.ctx.servers is not None and self.pg is not None:
+            lost = self.ctx.servers.call(self.client.commit_distributed(self.group_name, target,
+                                                                    flush_cache=self.ctx.flush_cache,
+                                                                    timeout=self.ctx.timeout), "commit")
             if lost:  # every bucket reached them before; they come back behind and are brought up to date
                 logger.warning("server(s) %s went down during the commit of version %d; the others serve it",
                                ", ".join(lost), target)
         return None
 
-    def _begin(self, target: int) -> Optional[str]:
+    def begin(self, target: int) -> Optional[str]:
         """Rank 0 opens a weight-update session on every server whose release needs one (SGLang 0.5.21+:
         distributed updates outside one are refused), before any stage streams its first bucket, and decides
         whether the model's MTP layers go to these servers (every stage head hears it)."""
         error, plan = None, (False, None)
-        if self.servers is not None and self.pg is not None:
+        if self.ctx.servers is not None and self.pg is not None:
             try:
-                self.servers.call(self.client.begin_weight_update(timeout=self.timeout), "begin_weight_update")
+                self.ctx.servers.call(self.client.begin_weight_update(timeout=self.ctx.timeout), "begin_weight_update")
                 if self.resharder.bridge.mtp_layers:
                     plan = self.client.mtp_plan()
             except Exception as e:  # noqa: BLE001 - every rank hears rank 0's plan below first
                 error = f"begin_weight_update: {type(e).__name__}: {e}"
-        send, why = from_rank0(plan, self.group)
+        send, why = from_rank0(plan, self.ctx.group)
         self._send_mtp = bool(send)
         return error or why
 
@@ -429,16 +402,16 @@ class DistributedWeightSync(WeightSync):
                 out.add(name, t)
         return out
 
-    def _end(self, target: int) -> Optional[str]:
-        if self.servers is not None and self.client is not None:
-            self.servers.call(self.client.end_weight_update(timeout=self.timeout), "end_weight_update")
+    def end(self, target: int) -> Optional[str]:
+        if self.ctx.servers is not None and self.client is not None:
+            self.ctx.servers.call(self.client.end_weight_update(timeout=self.ctx.timeout), "end_weight_update")
         return None
 
-    def _end_quietly(self) -> None:
-        if self.servers is None or self.client is None:
+    def end_quietly(self) -> None:
+        if self.ctx.servers is None or self.client is None:
             return
         try:
-            self.servers.call(self.client.end_weight_update(check=False, timeout=self.timeout),
+            self.ctx.servers.call(self.client.end_weight_update(check=False, timeout=self.ctx.timeout),
                               "closing the weight-update sessions")
         except Exception as e:  # noqa: BLE001 - the sync has failed already; this must not hide why
             logger.warning("closing the servers' weight-update sessions failed: %s: %s", type(e).__name__, e)
@@ -460,9 +433,9 @@ class DistributedWeightSync(WeightSync):
         else:
             payload = [t.to(dev) for t in bucket.tensors]
         fmt = "flattened_bucket" if self.load_format == "flattened_bucket" else None
-        fut = self._loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
+        fut = self.ctx.loop.submit(self.client.update_weights_from_distributed(  # the version comes in _commit
             [bucket.names[i] for i in order], [bucket.dtypes[i] for i in order], [bucket.shapes[i] for i in order],
-            self.group_name, load_format=fmt, timeout=self.timeout, flush_cache=False))  # the commit flushes once
+            self.group_name, load_format=fmt, timeout=self.ctx.timeout, flush_cache=False))  # the commit flushes once
         works = [dist.broadcast(t, src=0, group=self.pg, async_op=True) for t in payload]
         self._broadcasts += len(payload)
         stats["bucket_s"] += time.perf_counter() - t0
@@ -501,14 +474,14 @@ class DistributedWeightSync(WeightSync):
                 raise SyncError(self._not_receiving(time.perf_counter() - started))
             # while replies are due, the POST's own timeout (which names the server) comes first
             answered = fut.done()
-            if time.perf_counter() > t0 + self.timeout + (0.0 if answered else SLACK_S):
+            if time.perf_counter() > t0 + self.ctx.timeout + (0.0 if answered else SLACK_S):
                 fut.cancel()
                 self._abandoned.append((works, payload, self.pg))
                 members = ", ".join(self.client.group_members)
-                raise PhaseTimeout(f"the broadcast did not complete within trainer.sync_timeout={self.timeout:g}s "
+                raise PhaseTimeout(f"the broadcast did not complete within trainer.sync_timeout={self.ctx.timeout:g}s "
                                    f"although {members} answered" if answered else
                                    f"neither the broadcast nor the replies of {members} finished within "
-                                   f"{self.timeout + SLACK_S:g}s (trainer.sync_timeout={self.timeout:g})")
+                                   f"{self.ctx.timeout + SLACK_S:g}s (trainer.sync_timeout={self.ctx.timeout:g})")
             concurrent.futures.wait([fut], timeout=nap)  # wakes at once when a reply arrives
             nap = min(2 * nap, 5e-3)
         try:
@@ -523,7 +496,7 @@ class DistributedWeightSync(WeightSync):
                 raise SyncError(f"{http} (broadcast: {type(e).__name__}: {str(e).splitlines()[0][:200]})") from e
             raise
         t1 = time.perf_counter()
-        future_result(fut, self.timeout + SLACK_S, "the servers' replies to /update_weights_from_distributed")
+        future_result(fut, self.ctx.timeout + SLACK_S, "the servers' replies to /update_weights_from_distributed")
         took = time.perf_counter() - started
         self._slowest_bucket = took if self._slowest_bucket is None else max(self._slowest_bucket, took)
         stats["broadcast_s"] += t1 - t0
@@ -551,12 +524,12 @@ class DistributedWeightSync(WeightSync):
         missed = members if len(members) == 1 else []
         if len(members) > 1:
             try:
-                replies = self._loop.run(self.client.weights_checksums(self.timeout, members),
-                                         self.timeout + SLACK_S, "/weights_checker")
+                replies = self.ctx.loop.run(self.client.weights_checksums(self.ctx.timeout, members),
+                                         self.ctx.timeout + SLACK_S, "/weights_checker")
                 named = list(zip(bucket.names, bucket.tensors))
                 for address, reply in zip(members, replies):
                     sums = {n: c for r in (reply or {}).get("ranks") or [] for n, c in (r.get("checksums") or {}).items()}
-                    if holds(sums, named, self.verifier.num_experts) is False:
+                    if holds(sums, named, self.num_experts) is False:
                         missed.append(address)
             except Exception as e:  # noqa: BLE001 - then every member is a suspect
                 logger.warning("asking the servers which of them received the bucket failed: %s: %s",
@@ -574,8 +547,8 @@ class DistributedWeightSync(WeightSync):
         """The members that report fewer completed broadcasts on this group than the trainer started (the embedded
         server counts them in /server_info; a server that reports no count, as SGLang, is not named by this)."""
         try:
-            infos = self.servers.server_info(members) if self.servers is not None else self._loop.run(
-                self.client.server_info(self.timeout, members), self.timeout + SLACK_S, "/server_info")
+            infos = self.ctx.servers.server_info(members) if self.ctx.servers is not None else self.ctx.loop.run(
+                self.client.server_info(self.ctx.timeout, members), self.ctx.timeout + SLACK_S, "/server_info")
         except Exception as e:  # noqa: BLE001
             logger.warning("asking the servers how many broadcasts they received failed: %s: %s", type(e).__name__, e)
             return []
@@ -586,7 +559,7 @@ class DistributedWeightSync(WeightSync):
                 behind.append(address)
         return behind
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
         if self.pg is not None:  # closing our end makes the servers' pending receives fail at once
             from mega_async.utils.comm import destroy_custom_process_group
 
@@ -596,20 +569,32 @@ class DistributedWeightSync(WeightSync):
             self.pg = None
             self._group_on_servers = True
 
-    def _after_failure(self) -> None:
+    def after_failure(self) -> None:
         self._destroy_group()
 
     def _destroy_group(self) -> None:
         had = self.pg is not None or self._group_on_servers
-        self._abort()
+        self.abort()
         if had and self.client is not None:
             with contextlib.suppress(Exception):
-                self._loop.run(self.client.destroy_weights_update_group(self.group_name, timeout=self.timeout),
-                               self.timeout + SLACK_S, "/destroy_weights_update_group")
+                self.ctx.loop.run(self.client.destroy_weights_update_group(self.group_name, timeout=self.ctx.timeout),
+                               self.ctx.timeout + SLACK_S, "/destroy_weights_update_group")
             self._group_on_servers = False
 
     def close(self) -> None:
-        if self.rollout is not None:
-            self._settle_due()
+        if self.ctx.rollout is not None:
+            self.settle()
         self._destroy_group()
-        super().close()
+
+
+def distributed_sync(models: Sequence[torch.nn.Module], version: WeightVersion, rollout: Optional[RolloutSide],
+                     addresses: Sequence[str], *, api_key: Optional[str] = None, bucket_bytes: int = 512 << 20,
+                     load_format: str = "flattened_bucket", backend: Optional[str] = None, gpus_per_server: int = 1,
+                     master_address: Optional[str] = None, weight_format: str = "model_dtype",
+                     data_plane: str = "broadcast", **kw: Any) -> WeightSync:
+    """The sync by broadcast into the servers at `addresses` (`kw`: WeightSync's: timeout, verify, group, events,
+    interrupt, ...)."""
+    transport = BroadcastTransport(addresses, api_key=api_key, bucket_bytes=bucket_bytes, load_format=load_format,
+                                   backend=backend, gpus_per_server=gpus_per_server, master_address=master_address,
+                                   weight_format=weight_format, data_plane=data_plane)
+    return WeightSync(models, version, rollout, transport, **kw)

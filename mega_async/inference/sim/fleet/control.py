@@ -1,6 +1,6 @@
 """The endpoints of a fleet server: SGLang's paths, bodies and messages (as the embedded server mirrors them),
 with every weight transfer replaced by a timed no-op. No torch.distributed group is joined: a trainer syncing
-a fleet runs its control plane only (DistributedWeightSync(data_plane="none"), which checks /server_info's
+a fleet runs its control plane only (distributed_sync(data_plane="none"), which checks /server_info's
 `fleet.data_plane` first)."""
 from __future__ import annotations
 
