@@ -45,7 +45,8 @@ setup(
         "gpu": ["transformer-engine[pytorch]", "flash-attn", "apex", "sglang>=0.5.18,<=0.5.23", "smg==1.13.0"],
         # pyarrow: the GSM8K parquet path; py-spy: stacks of a hung test run; pydantic: the reference the
         # embedded server's lax coercions are held to (its integer-size rule changed in 2.14)
-        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "hypothesis>=6.100", "openai>=1.40",
+        # pytest-xdist: the default suite on two processes (one test file each at a time: its fixtures built once)
+        "test": ["pytest>=8.0", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "hypothesis>=6.100", "openai>=1.40",
                  "pyarrow>=14", "py-spy>=0.3.14", "pydantic>=2.14,<3",
                  "scipy>=1.11"],  # scipy: the reference the paper benchmark's t quantiles are held to
         "agent": ["openai>=1.40"],  # agents of AgentWorkflow (mega_async.rollout.agent) use the openai client
