@@ -2,6 +2,7 @@
 import asyncio
 import os
 import json
+import time
 import urllib.request
 from pathlib import Path
 
@@ -46,6 +47,22 @@ def post(address: str, path: str, body=None, raw: bytes | None = None, headers=N
 
 def get(address: str, path: str, headers=None):
     return _send(urllib.request.Request(f"http://{address}{path}", headers=headers or {}))
+
+
+def wait_decoding(address: str, past: int, requests: int = 1, timeout: float = 120.0) -> dict:
+    """Wait for the event a test orders on, not for a guessed time: `requests` requests running on the embedded
+    server at `address` with more than `past` tokens between them (prompts plus outputs: `/v1/loads`'
+    num_active_tokens), i.e. already decoding. Returns that load snapshot; fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    load: dict = {}
+    while time.monotonic() < deadline:
+        status, out = get(address, "/v1/loads")
+        load = out["loads"][0] if status == 200 and out.get("loads") else {}
+        if load.get("num_running_reqs", 0) >= requests and load.get("num_active_tokens", 0) > past:
+            return load
+        time.sleep(0.01)
+    raise AssertionError(f"no {requests} request(s) decoding past {past} tokens on {address} within {timeout:g}s "
+                         f"(last load: {load})")
 
 
 def _send(req):

@@ -13,7 +13,7 @@ from mega_async.utils.comm import free_port
 from mega_async.trainer.sync import reload_sync, RolloutSide
 from mega_async.api.types import ModelRequest, ModelResponse, WeightVersion
 
-from .conftest import get, greedy_ok, post, ref_logprobs, run
+from .conftest import get, greedy_ok, post, ref_logprobs, run, wait_decoding
 
 PROMPT = [5, 17, 300, 42, 7, 99]
 
@@ -162,7 +162,7 @@ def test_no_body_bad_json_and_duplicate_rid(server):
     body = {"input_ids": PROMPT, "rid": "dup-1", "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     t = threading.Thread(target=lambda: res.setdefault("a", post(addr, "/generate", body)))
     t.start()
-    time.sleep(0.5)
+    wait_decoding(addr, len(PROMPT))  # the first one is running under its rid
     st, out = post(addr, "/generate", body)
     assert st == 400 and out == {"error": {"message": "Duplicate request ID detected: dup-1"}}
     assert post(addr, "/abort_request", {"rid": "dup"})[0] == 200  # rid matches by prefix
@@ -274,10 +274,9 @@ def test_pause_abort_update_continue_resubmits(server, hf_models, weights_root):
     sync = reload_sync(version, RolloutSide(client), str(weights_root / "v1"))
 
     async def main():
-        # 500 tokens: still decoding 0.7 s in on a machine several times faster than CI's (1,500 took ~50 s here)
         req = ModelRequest(input_ids=PROMPT, max_new_tokens=500, temperature=0.0, ignore_eos=True)
         task = asyncio.create_task(client.agenerate(req))
-        await asyncio.sleep(0.7)
+        await asyncio.to_thread(wait_decoding, addr, len(PROMPT) + 8)  # some tokens at version 0, then the pause
         try:  # the one pause bracket (the sync's): client hold -> pause -> load v1 -> version 1 -> continue
             await asyncio.to_thread(sync.push)
         finally:
@@ -315,13 +314,14 @@ def test_settle_waits_for_aborted_outputs_not_for_requests_held_by_the_pause(ser
         long = ModelRequest(input_ids=PROMPT, max_new_tokens=500, temperature=0.0, ignore_eos=True, rid="settle-a")
         partial = ModelResponse(input_tokens=list(PROMPT))  # extended in place as outputs arrive
         running = asyncio.create_task(client.agenerate(long, resume=partial))
-        await asyncio.sleep(0.7)
+        await asyncio.to_thread(wait_decoding, addr, len(PROMPT) + 8)  # it has output for the abort to return
         # the race: a request takes its send slot just before the pause (a request that has none waits in the
         # client while paused), and reaches the server after /pause_generation
-        late, choose = asyncio.Event(), client._choose
+        late, holding, choose = asyncio.Event(), asyncio.Event(), client._choose
 
         async def choose_late(rid):
             if rid == "settle-b":
+                holding.set()
                 await late.wait()
             return await choose(rid)
 
@@ -329,7 +329,7 @@ def test_settle_waits_for_aborted_outputs_not_for_requests_held_by_the_pause(ser
         held = asyncio.create_task(client._generate_once("settle-b", {
             "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0},
             "return_logprob": True, "rid": "settle-b"}))
-        await asyncio.sleep(0.05)  # it holds its slot
+        await holding.wait()  # it holds its slot
         client.pause()
         await client.pause_generation()
         try:  # the module's server is shared: never leave it paused
@@ -439,7 +439,7 @@ def test_in_place_pause_keeps_requests_and_update_waits_without_pause(server, we
 
     t = threading.Thread(target=long_request, args=("gen",))
     t.start()
-    time.sleep(0.3)
+    wait_decoding(addr, len(PROMPT))
     assert post(addr, "/pause_generation", {"mode": "in_place"})[0] == 200
     time.sleep(0.1)
     steps = get(addr, "/server_info")[1]
@@ -458,7 +458,7 @@ def test_in_place_pause_keeps_requests_and_update_waits_without_pause(server, we
     # without a pause, an update waits for the request in flight (writer lock)
     t = threading.Thread(target=long_request, args=("gen2",))
     t.start()
-    time.sleep(0.3)
+    wait_decoding(addr, len(PROMPT))
     st, _ = post(addr, "/update_weights_from_disk", {"model_path": str(weights_root / "v0"), "weight_version": "0"})
     order.append("update")
     t.join(60)
