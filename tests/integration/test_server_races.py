@@ -14,7 +14,7 @@ import torch
 
 from mega_async.utils.comm import free_port
 
-from .conftest import get, post, ref_logprobs, run
+from .conftest import get, post, ref_logprobs, run, wait_decoding
 
 pytestmark = pytest.mark.slow  # starts servers or trainer ranks: CI's second step keeps the default suite under 20 minutes on 2 cores
 
@@ -181,7 +181,7 @@ def test_sigterm_stops_generation_at_once(weights_root, tmp_path):
             async with aiohttp.ClientSession() as http:
                 body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}
                 task = asyncio.create_task(http.post(f"http://{addr}/generate", json=body))
-                await asyncio.sleep(1.5)
+                await asyncio.to_thread(wait_decoding, addr, 3)  # the SIGTERM lands while it decodes
                 t0 = time.monotonic()
                 proc.send_signal(signal.SIGTERM)
                 r = await task
