@@ -343,10 +343,10 @@ class WeightSync:
         return figures["sync/verify_max_abs_diff"]
 
     def _run_phases(self, target: int, span_update: bool = True) -> list[str]:
-        """The one phase chain of a push and of a catch-up, every rank, each phase agreed across ranks (the first
-        failure ends it): 1. begin: open the servers' weight-update sessions (SGLang 0.5.21+); 2. update: send the
-        weights; 3. commit: the version on the servers (distributed); 4. end: close the sessions (SGLang finalizes
-        the load). Returns the agreed errors ([] when every phase succeeded everywhere)."""
+        """The one phase chain of a push and of a catch-up, the transport's phases 2-5, every rank, each agreed
+        across ranks (the first failure ends it): 2. begin: open the servers' weight-update sessions (SGLang
+        0.5.21+); 3. update: send the weights; 4. commit: the version on the servers (distributed); 5. end: close
+        the sessions (SGLang finalizes the load). Returns the agreed errors ([] when every phase succeeded)."""
         t = self.transport
         for phase, fn in (("begin_weight_update", t.begin), ("update", t.update), ("commit", t.commit),
                           ("end_weight_update", t.end)):
