@@ -119,6 +119,10 @@ def train_step(dry: bool, steps: int, seqs: int, seq_len: int) -> dict[str, Any]
             torch.cuda.synchronize()
         if i:
             times.append(time.perf_counter() - t0)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo's threads torn down here, not by the interpreter's exit (seen: SIGABRT, exit 134)
+        dist.destroy_process_group()
     dt = statistics.median(times)
     tokens = seqs * seq_len
     tps = tokens / dt
