@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -161,7 +160,3 @@ def resolve(config: str) -> Path:
     """A run config named in a scenario: as given, else under the repository root."""
     p = Path(config)
     return p if p.is_absolute() or p.exists() else ROOT / p
-
-
-def work_dir() -> Path:
-    return Path(tempfile.mkdtemp(prefix="mega_async_serve_"))
